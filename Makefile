@@ -1,0 +1,17 @@
+.PHONY: run test bench clean
+VENV := .venv/.k3sched-setup
+
+$(VENV): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+run: $(VENV)
+	.venv/bin/k3sched run configs/tiny-cpu.yaml --out out/tiny-cpu
+
+test: $(VENV)
+	.venv/bin/python -m pytest -q
+
+bench: $(VENV)
+	for b in benchmarks/bench_*.py; do .venv/bin/python $$b || exit 1; done
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv with everything k3sched needs. Idempotent; safe to re-run.
+# torch: the CPU build 2.13.0 that lies on this kind of machine is installed first, so the
+# project's torch range is satisfied without pulling a multi-GB CUDA build. On a GPU machine,
+# install a CUDA torch into the venv first (or set K3SCHED_TORCH="torch==X+cuYYY").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  "${VPIP[@]}" install "${K3SCHED_TORCH:-torch==2.13.0}"
+fi
+# deepspeed ships as an sdist whose build imports torch: build it against the venv's torch.
+"${VPIP[@]}" install --no-build-isolation -e ".[dev]"
+# Nsight Systems (Debian non-free, 2022.4) records NVTX ranges of CPU runs; optional.
+if [ "${K3SCHED_NSYS:-1}" = 1 ] && ! command -v nsys >/dev/null 2>&1; then
+  bash scripts/install_nsys.sh || echo "setup: nsight-systems not installed; nsys tests will skip" >&2
+fi
+touch .venv/.k3sched-setup
