@@ -1,0 +1,295 @@
+"""Nsight Systems: read SQLite exports into an EventTable, and record a command under nsys.
+
+Tables and columns are discovered (``sqlite_master``, ``PRAGMA table_info``), never assumed, so
+export schema 3.0.0 (nsys 2022.4, metadata table ``EXPORT_META_DATA``) up to 3.25 (2026.x,
+``META_DATA_EXPORT``) read alike.
+
+[Note: nsys ranks]
+A rank is a process: pid = (globalTid >> 24) & 0xFFFFFF, tid = globalTid & 0xFFFFFF. Processes
+that own at least one NVTX range or GPU activity row become ranks 0..n-1 in pid order, unless
+the process emitted an NVTX range or mark whose text is ``k3sched.rank=N`` (the runtime emits
+one per rank), which wins.
+
+[Note: kernel projection]
+Kernels, memcpys and memsets keep their device and stream (``tid`` = streamId). Their ``parent``
+is the innermost NVTX range enclosing the launching CUDA runtime call on the launching thread:
+the runtime row is found by ``correlationId`` within the same process (``globalPid =
+runtime.globalTid & 0xFFFFFFFFFF000000``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+
+from traces.events import EventTable, TraceError, classify_kernels, innermost_enclosing
+
+NVTX_PUSHPOP = 59
+NVTX_STARTEND = 60
+NVTX_MARK = 34
+RANK_MARK_RE = re.compile(r"^k3sched\.rank=(\d+)$")
+QDSTRM_IMPORTER = "/usr/lib/nsight-systems/host-linux-x64/QdstrmImporter"
+_PID_MASK = -0x1000000  # 0xFFFFFFFFFF000000 as a signed 64-bit SQLite integer
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    uri = "file:" + urllib.parse.quote(str(path.resolve())) + "?mode=ro&immutable=1"
+    return sqlite3.connect(uri, uri=True)
+
+
+def _columns(con: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in con.execute(f'PRAGMA table_info("{table}")')}
+
+
+def export_info(path: str | os.PathLike) -> dict[str, str]:
+    """The export's metadata (EXPORT_META_DATA or META_DATA_EXPORT) as a dict, e.g.
+    ``EXPORT_SCHEMA_VERSION``; empty when the file has neither table."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        con = _connect(path)
+        try:
+            tables = _tables(con)
+            for t in ("META_DATA_EXPORT", "EXPORT_META_DATA"):
+                if t in tables:
+                    return {str(n): str(v) for n, v in con.execute(f'SELECT name, value FROM "{t}"')}
+            return {}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"{path}: not a readable SQLite database ({e})") from None
+
+
+def _tables(con: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise TraceError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise TraceError(f"{path}: empty file")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head != b"SQLite format 3\x00":
+        raise TraceError(f"{path}: not an SQLite database (bad header)")
+
+
+def read_nsys_sqlite(path: str | os.PathLike, *, kernel_names: str = "demangled") -> EventTable:
+    """Read an ``nsys export --type sqlite`` file: NVTX push/pop and start/end ranges (kind
+    'range', device -1, tid = OS thread), kernels ('kernel' or 'nccl'), memcpy, memset (device,
+    tid = stream, ``parent`` = enclosing NVTX range, see [Note: kernel projection]).
+    ``kernel_names``: 'demangled' or 'short'. Raises TraceError for an unreadable file."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        con = _connect(path)
+        try:
+            return _read(con, path, kernel_names)
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"{path}: corrupt or truncated SQLite database ({e})") from None
+
+
+def _fetch_np(con: sqlite3.Connection, sql: str, ncols: int) -> list[np.ndarray]:
+    rows = con.execute(sql).fetchall()
+    if not rows:
+        return [np.empty(0, dtype=object) for _ in range(ncols)]
+    cols = list(zip(*rows))
+    return [np.asarray(c) for c in cols]
+
+
+def _read(con: sqlite3.Connection, path: Path, kernel_names: str) -> EventTable:
+    tables = _tables(con)
+    gpu_tables = [t for t in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY",
+                              "CUPTI_ACTIVITY_KIND_MEMSET") if t in tables]
+    if "NVTX_EVENTS" not in tables and not gpu_tables:
+        found = ", ".join(sorted(tables)[:6]) or "none"
+        raise TraceError(f"{path}: missing required tables: neither NVTX_EVENTS nor CUPTI_ACTIVITY_KIND_* "
+                         f"(tables found: {found}); is this an nsys export?")
+    has_strings = "StringIds" in tables
+
+    # ---- NVTX ranges (and rank marks) -------------------------------------------------
+    r_gtid = np.empty(0, np.int64)
+    r_start = r_end = np.empty(0, np.float64)
+    r_text = np.empty(0, object)
+    rank_marks: dict[int, int] = {}
+    if "NVTX_EVENTS" in tables:
+        cols = _columns(con, "NVTX_EVENTS")
+        need = {"start", "end", "eventType", "globalTid"}
+        if not need <= cols:
+            raise TraceError(f"{path}: NVTX_EVENTS lacks columns {sorted(need - cols)}")
+        text = "n.text" if "text" in cols else "NULL"
+        join = ""
+        if "textId" in cols and has_strings:
+            text = f"COALESCE({text}, s.value)"
+            join = "LEFT JOIN StringIds s ON s.id = n.textId"
+        sql = (f"SELECT n.start, n.end, n.globalTid, {text} FROM NVTX_EVENTS n {join} "
+               f"WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) AND n.end IS NOT NULL")
+        s, e, g, t = _fetch_np(con, sql, 4)
+        r_start, r_end = s.astype(np.float64) / 1e3, e.astype(np.float64) / 1e3
+        r_gtid = g.astype(np.int64) if len(g) else np.empty(0, np.int64)
+        r_text = np.where(t == None, "", t).astype(object) if len(t) else np.empty(0, object)  # noqa: E711
+        for gt, txt in con.execute(f"SELECT n.globalTid, {text} FROM NVTX_EVENTS n {join} "
+                                   f"WHERE n.eventType IN ({NVTX_MARK}, {NVTX_PUSHPOP}, {NVTX_STARTEND}) "
+                                   f"AND {text} LIKE 'k3sched.rank=%'"):
+            m = RANK_MARK_RE.match(txt or "")
+            if m and gt is not None:
+                rank_marks[(int(gt) >> 24) & 0xFFFFFF] = int(m[1])
+
+    # ---- GPU activity -----------------------------------------------------------------
+    gpu: list[dict] = []
+    runtime_cols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME") if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables else set()
+    can_project = {"correlationId", "globalTid", "start"} <= runtime_cols
+    for table in gpu_tables:
+        cols = _columns(con, table)
+        need = {"start", "end", "streamId"}
+        if not need <= cols:
+            raise TraceError(f"{path}: {table} lacks columns {sorted(need - cols)}")
+        dev = "a.deviceId" if "deviceId" in cols else "-1"
+        nbytes = "a.bytes" if "bytes" in cols else "0"
+        if table.endswith("KERNEL"):
+            ncol = {"demangled": "demangledName", "short": "shortName"}[kernel_names]
+            if ncol not in cols:
+                ncol = "shortName" if "shortName" in cols else ("demangledName" if "demangledName" in cols else None)
+            name = f"a.{ncol}" if ncol and has_strings else "NULL"
+            extra = "0"
+        elif table.endswith("MEMCPY"):
+            name, extra = "NULL", ("a.copyKind" if "copyKind" in cols else "0")
+        else:
+            name, extra = "NULL", "0"
+        pid_of = "a.globalPid" if "globalPid" in cols else "NULL"
+        if can_project and "correlationId" in cols:
+            on = "r.correlationId = a.correlationId"
+            if "globalPid" in cols:
+                on += f" AND (r.globalTid & {_PID_MASK}) = a.globalPid"
+            sql = (f"SELECT a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
+                   f"r.globalTid, r.start FROM {table} a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON {on}")
+        else:
+            sql = (f"SELECT a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
+                   f"NULL, NULL FROM {table} a")
+        vals = _fetch_np(con, sql, 10)
+        if not len(vals[0]):
+            continue
+        gpu.append({"table": table, "start": vals[0].astype(np.float64) / 1e3, "end": vals[1].astype(np.float64) / 1e3,
+                    "device": vals[2].astype(np.int32), "stream": vals[3].astype(np.int64),
+                    "bytes": vals[4].astype(np.int64), "nameid": vals[5], "extra": vals[6].astype(np.int64),
+                    "gpid": _int_or(vals[7], -1), "rgtid": _int_or(vals[8], -1),
+                    "rstart": _float_or(vals[9], np.nan) / 1e3})
+
+    # ---- names of kernels / copies ----------------------------------------------------
+    copy_names = {}
+    if "ENUM_CUDA_MEMCPY_OPER" in tables and {"id", "label"} <= _columns(con, "ENUM_CUDA_MEMCPY_OPER"):
+        copy_names = {int(i): str(lbl) for i, lbl in con.execute("SELECT id, label FROM ENUM_CUDA_MEMCPY_OPER")}
+    for g in gpu:
+        if g["table"].endswith("KERNEL"):
+            ids = _int_or(g["nameid"], -1)
+            uniq, inv = np.unique(ids, return_inverse=True)
+            lookup = dict(con.execute(f"SELECT id, value FROM StringIds WHERE id IN ({','.join(map(str, uniq.tolist()))})")
+                          ) if has_strings and len(uniq) else {}
+            names = np.array([lookup.get(i, "kernel") for i in uniq.tolist()], dtype=object)
+            g["name"] = names[inv]
+            g["kind"] = classify_kernels(g["name"])
+        elif g["table"].endswith("MEMCPY"):
+            uniq, inv = np.unique(g["extra"], return_inverse=True)
+            names = np.array([f"Memcpy {copy_names.get(k, k)}" for k in uniq.tolist()], dtype=object)
+            g["name"], g["kind"] = names[inv], np.full(len(inv), "memcpy", "<U8")
+        else:
+            g["name"], g["kind"] = np.full(len(g["start"]), "Memset", object), np.full(len(g["start"]), "memset", "<U8")
+
+    # ---- ranks ------------------------------------------------------------------------
+    pids = [(r_gtid >> 24) & 0xFFFFFF] + [np.where(g["gpid"] >= 0, (g["gpid"] >> 24) & 0xFFFFFF, -1) for g in gpu]
+    allp = np.unique(np.concatenate(pids)) if pids else np.empty(0, np.int64)
+    allp = allp[allp >= 0]
+    rank_of = {int(p): i for i, p in enumerate(allp.tolist())}
+    if rank_marks:
+        rank_of.update(rank_marks)
+
+    def to_rank(p: np.ndarray) -> np.ndarray:
+        if not len(p):
+            return np.empty(0, np.int32)
+        keys = np.array(sorted(rank_of), dtype=np.int64)
+        vals = np.array([rank_of[k] for k in keys.tolist()], dtype=np.int32)
+        pos = np.clip(np.searchsorted(keys, p), 0, max(len(keys) - 1, 0))
+        return np.where((len(keys) > 0) & (keys[pos] == p), vals[pos], -1).astype(np.int32)
+
+    parts = [EventTable.build(name=r_text, start_us=r_start, end_us=r_end, kind="range",
+                              rank=to_rank((r_gtid >> 24) & 0xFFFFFF), device=-1, tid=r_gtid & 0xFFFFFF)]
+    for g in gpu:
+        par = innermost_enclosing(r_gtid, r_start, r_end, g["rgtid"], g["rstart"])
+        parent = np.where(par >= 0, r_text[np.maximum(par, 0)] if len(r_text) else "", "").astype(object)
+        gp = np.where(g["gpid"] >= 0, (g["gpid"] >> 24) & 0xFFFFFF, (g["rgtid"] >> 24) & 0xFFFFFF)
+        parts.append(EventTable.build(name=g["name"], start_us=g["start"], end_us=g["end"], kind=g["kind"],
+                                      rank=to_rank(gp), device=g["device"], tid=g["stream"], bytes=g["bytes"],
+                                      parent=parent))
+    return EventTable.concat(parts)
+
+
+def _int_or(a: np.ndarray, default: int) -> np.ndarray:
+    if a.dtype != object:
+        return a.astype(np.int64)
+    return np.array([default if v is None else v for v in a.tolist()], dtype=np.int64)
+
+
+def _float_or(a: np.ndarray, default: float) -> np.ndarray:
+    if a.dtype != object:
+        return a.astype(np.float64)
+    return np.array([default if v is None else v for v in a.tolist()], dtype=np.float64)
+
+
+# ---- recording -------------------------------------------------------------------------
+
+def nsys_available() -> bool:
+    return shutil.which("nsys") is not None
+
+
+def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *,
+           timeout_s: float = 600.0, env: dict | None = None) -> Path:
+    """Run ``cmd`` under ``nsys profile --trace=TRACE -o OUT_PREFIX`` and export the capture to
+    ``OUT_PREFIX.sqlite``; returns that path.
+
+    Works with nsys 2022.4 (Debian), whose automatic import of the raw ``.qdstrm`` capture fails:
+    when no ``.nsys-rep`` appears, ``QdstrmImporter -i OUT_PREFIX.qdstrm`` is run, then ``nsys
+    export --type sqlite``. Raises TraceError (one line, with the failing step's last stderr line)
+    when nsys is missing or a step fails.
+    """
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        raise TraceError("nsys: not found on PATH (install nsight-systems)")
+    out = Path(out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rep, qd, sql = (out.with_name(out.name + ext) for ext in (".nsys-rep", ".qdstrm", ".sqlite"))
+    for p in (rep, qd, sql):
+        p.unlink(missing_ok=True)
+
+    def run(step: str, args: list[str]) -> None:
+        try:
+            p = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            raise TraceError(f"{out}: {step} timed out after {timeout_s:.0f} s") from None
+        if p.returncode != 0:
+            last = (p.stderr.strip().splitlines() or p.stdout.strip().splitlines() or ["no output"])[-1]
+            raise TraceError(f"{out}: {step} failed (exit {p.returncode}): {last}")
+
+    run("nsys profile", [nsys, "profile", f"--trace={trace}", "--force-overwrite=true", "-o", str(out), *cmd])
+    if not rep.exists():
+        if not qd.exists():
+            raise TraceError(f"{out}: nsys profile wrote neither {rep.name} nor {qd.name}")
+        importer = QDSTRM_IMPORTER if Path(QDSTRM_IMPORTER).exists() else shutil.which("QdstrmImporter")
+        if importer is None:
+            raise TraceError(f"{qd}: needs QdstrmImporter to import, not found at {QDSTRM_IMPORTER}")
+        run("QdstrmImporter", [importer, "-i", str(qd)])
+        if not rep.exists():
+            raise TraceError(f"{qd}: QdstrmImporter produced no {rep.name}")
+    run("nsys export", [nsys, "export", "--type", "sqlite", "--force-overwrite=true", "-o", str(sql), str(rep)])
+    if not sql.exists():
+        raise TraceError(f"{rep}: nsys export produced no {sql.name}")
+    return sql
