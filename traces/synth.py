@@ -1,0 +1,217 @@
+"""Synthetic plans and ideal traces, for tests and the seeded-fault suite.
+
+``small_plan()`` builds, by hand, a valid ``k3sched.plan/1`` dict (2 stages, 2 micro-batches, one
+MoE layer per stage, every lane used, an offload/onload pair on each offload lane, cross-lane and
+cross-stage deps), with start/end from a tiny list scheduler. ``trace_from_plan`` turns any plan
+(the planner's included) into the Chrome events a conforming runtime would record. The mutation
+helpers each seed one fault into a copy of such a list.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from k3sched.tasks import LANE_OF, LANES, Kind, format_task_id
+
+LANE_TID_BASE = 100  # tid of lane i is LANE_TID_BASE + i in synthetic traces
+PLAN_FORMAT = "k3sched.plan/1"
+
+_DUR = {"compute": 100.0, "ep": 40.0, "collective": 30.0, "offload_local": 50.0, "offload_remote": 60.0}
+
+
+def lane_tid(lane: str) -> int:
+    return LANE_TID_BASE + LANES.index(lane)
+
+
+def _task(stage, kind, *, mb=None, layer=None, chunk=0, deps=(), buffer=None, peer_stage=None, nbytes=0):
+    kind = Kind(kind)
+    tid = format_task_id(stage, kind, mb=mb, layer=layer, chunk=chunk if layer is None or mb is None else None)
+    lane = LANE_OF[kind]
+    return {"id": tid, "kind": kind.value, "lane": lane, "stage": stage, "chunk": chunk, "mb": mb, "layer": layer,
+            "start_us": 0.0, "end_us": 0.0, "deps": list(deps),
+            "mem": {"alloc": {"device": 0, "host": 0, "peer": 0}, "free": {"device": 0, "host": 0, "peer": 0}},
+            "bytes": nbytes, "buffer": buffer, "peer_stage": peer_stage}
+
+
+def small_plan(n_mb: int = 2) -> dict:
+    """A hand-built 2-stage plan in the docs/formats.md format (see module docstring)."""
+    I = lambda s, k, **kw: format_task_id(s, Kind(k), **kw)  # noqa: E731
+    lanes = {s: {lane: [] for lane in LANES} for s in (0, 1)}
+
+    def add(t):
+        lanes[t["stage"]][t["lane"]].append(t)
+
+    for s in (0, 1):
+        L = s
+        # forward
+        for m in range(n_mb):
+            first = [I(1, "act.recv", mb=m, chunk=0)] if s == 1 else []
+            if s == 1:
+                add(_task(1, "act.recv", mb=m, chunk=0, deps=[I(0, "act.send", mb=m, chunk=0)], nbytes=1 << 20))
+            add(_task(s, "attn.fwd", mb=m, layer=L, deps=first))
+            add(_task(s, "dispatch.fwd", mb=m, layer=L, deps=[I(s, "attn.fwd", mb=m, layer=L)], nbytes=1 << 22))
+            add(_task(s, "expert.fwd", mb=m, layer=L, deps=[I(s, "dispatch.fwd", mb=m, layer=L)]))
+            add(_task(s, "combine.fwd", mb=m, layer=L, deps=[I(s, "expert.fwd", mb=m, layer=L)], nbytes=1 << 22))
+            buf = f"s{s}/mb{m}/L{L}/attn.in"
+            if s == 0:
+                add(_task(0, "act.offload", mb=m, layer=L, deps=[I(0, "attn.fwd", mb=m, layer=L)], buffer=buf,
+                          nbytes=1 << 24))
+                add(_task(0, "act.send", mb=m, chunk=0, deps=[I(0, "combine.fwd", mb=m, layer=L)], nbytes=1 << 20))
+            else:
+                add(_task(1, "act.roffload", mb=m, layer=L, deps=[I(1, "attn.fwd", mb=m, layer=L)], buffer=buf,
+                          peer_stage=0, nbytes=1 << 24))
+        # backward
+        for m in range(n_mb):
+            buf = f"s{s}/mb{m}/L{L}/attn.in"
+            if s == 0:
+                add(_task(0, "grad.recv", mb=m, chunk=0, deps=[I(1, "grad.send", mb=m, chunk=0)], nbytes=1 << 20))
+                start_dep = I(0, "grad.recv", mb=m, chunk=0)
+                add(_task(0, "act.onload", mb=m, layer=L, deps=[I(0, "act.offload", mb=m, layer=L)], buffer=buf,
+                          nbytes=1 << 24))
+                on = I(0, "act.onload", mb=m, layer=L)
+            else:
+                start_dep = I(1, "combine.fwd", mb=m, layer=L)
+                add(_task(1, "act.ronload", mb=m, layer=L, deps=[I(1, "act.roffload", mb=m, layer=L)], buffer=buf,
+                          peer_stage=0, nbytes=1 << 24))
+                on = I(1, "act.ronload", mb=m, layer=L)
+            add(_task(s, "combine.bwd", mb=m, layer=L, deps=[start_dep], nbytes=1 << 22))
+            add(_task(s, "expert.dx", mb=m, layer=L, deps=[I(s, "combine.bwd", mb=m, layer=L)]))
+            add(_task(s, "dispatch.bwd", mb=m, layer=L, deps=[I(s, "expert.dx", mb=m, layer=L)], nbytes=1 << 22))
+            add(_task(s, "attn.dx", mb=m, layer=L, deps=[I(s, "dispatch.bwd", mb=m, layer=L), on]))
+            if s == 1:
+                add(_task(1, "grad.send", mb=m, chunk=0, deps=[I(1, "attn.dx", mb=m, layer=L)], nbytes=1 << 20))
+        for m in range(n_mb):
+            add(_task(s, "expert.dw", mb=m, layer=L, deps=[I(s, "expert.dx", mb=m, layer=L)]))
+            add(_task(s, "attn.dw", mb=m, layer=L, deps=[I(s, "attn.dx", mb=m, layer=L)]))
+        add(_task(s, "grad.rs", layer=L, chunk=0,
+                  deps=[I(s, k, mb=m, layer=L) for m in range(n_mb) for k in ("expert.dw", "attn.dw")],
+                  nbytes=1 << 26))
+    # lane order: the order tasks were added, except the collective lane of stage 0 and the
+    # offload lanes, which run their items in dependency order as added (already so)
+    plan = {"format": PLAN_FORMAT, "config": {"synthetic": "traces.synth.small_plan", "n_mb": n_mb},
+            "strategy": "k3", "pipeline": "gpipe", "lanes": list(LANES),
+            "stages": [{"stage": s, "lanes": lanes[s]} for s in (0, 1)], "metrics": {}}
+    schedule(plan)
+    return plan
+
+
+def schedule(plan: dict, durations: dict | None = None) -> dict:
+    """Fill start_us/end_us of every task: each lane runs its tasks in order, a task starts when
+    its lane is free and its deps have ended (a list scheduler; deps may cross stages). Also
+    fills ``metrics.step_time_us``. Raises ValueError on a dependency cycle or unknown dep."""
+    durations = durations or _DUR
+    queues = [(st["stage"], lane, st["lanes"][lane]) for st in plan["stages"] for lane in plan["lanes"]]
+    pos = {(s, lane): 0 for s, lane, _ in queues}
+    free = {(s, lane): 0.0 for s, lane, _ in queues}
+    end: dict[str, float] = {}
+    ids = {t["id"] for _, _, q in queues for t in q}
+    total = len(ids)
+    while len(end) < total:
+        progressed = False
+        for s, lane, q in queues:
+            while pos[(s, lane)] < len(q):
+                t = q[pos[(s, lane)]]
+                missing = [d for d in t["deps"] if d not in ids]
+                if missing:
+                    raise ValueError(f"task {t['id']} depends on unknown {missing[0]}")
+                if any(d not in end for d in t["deps"]):
+                    break
+                start = max([free[(s, lane)]] + [end[d] for d in t["deps"]])
+                t["start_us"], t["end_us"] = start, start + durations[lane]
+                end[t["id"]] = t["end_us"]
+                free[(s, lane)] = t["end_us"]
+                pos[(s, lane)] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("dependency cycle in plan")
+    plan.setdefault("metrics", {})["step_time_us"] = max(end.values()) - min(
+        t["start_us"] for _, _, q in queues for t in q)
+    return plan
+
+
+def plan_tasks(plan: dict) -> list[dict]:
+    return [t for st in plan["stages"] for lane in plan["lanes"] for t in st["lanes"].get(lane, [])]
+
+
+def trace_from_plan(plan: dict, rank_of_stage: dict | None = None, jitter: float = 0.0, *, seed: int = 0,
+                    t0_us: float = 1_000_000.0) -> list[dict]:
+    """The Chrome events (runtime format, docs/formats.md) of an ideal run of ``plan``: one ``X``
+    event per task per rank at its planned time + ``t0_us``, ``tid`` = ``lane_tid(lane)``, plus
+    ``thread_name`` metadata. ``rank_of_stage`` maps stage -> rank or list of ranks (default:
+    rank = stage). ``jitter`` in [0, 1) shortens each duration by a random fraction up to it, so the
+    trace still conforms (starts, order and deps are kept)."""
+    rng = random.Random(seed)
+    rank_of_stage = rank_of_stage or {st["stage"]: st["stage"] for st in plan["stages"]}
+    out: list[dict] = []
+    for st in plan["stages"]:
+        ranks = rank_of_stage[st["stage"]]
+        for rank in ranks if isinstance(ranks, (list, tuple)) else [ranks]:
+            for lane in plan["lanes"]:
+                out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": lane_tid(lane),
+                            "args": {"name": lane}})
+                for t in st["lanes"].get(lane, []):
+                    dur = (t["end_us"] - t["start_us"]) * (1.0 - jitter * rng.random())
+                    out.append({"ph": "X", "name": t["id"], "cat": lane, "ts": t["start_us"] + t0_us, "dur": dur,
+                                "pid": rank, "tid": lane_tid(lane),
+                                "args": {"lane": lane, "stage": st["stage"], "step": 0, "bytes": t.get("bytes", 0)}})
+    return out
+
+
+def runtime_trace_files(events: list[dict], plan: dict) -> dict[int, dict]:
+    """Split events by rank into runtime trace objects (``trace_rank{R}.json`` contents)."""
+    by_rank: dict[int, list] = {}
+    for e in events:
+        by_rank.setdefault(e["pid"], []).append(e)
+    step = (plan.get("metrics") or {}).get("step_time_us", 0.0)
+    stage_of = {}
+    for e in events:
+        if e["ph"] == "X":
+            stage_of.setdefault(e["pid"], e["args"]["stage"])
+    return {r: {"traceEvents": ev, "displayTimeUnit": "ms",
+                "otherData": {"format": "k3sched.trace/1", "rank": r, "stage": stage_of.get(r), "plan_step_time_us": step}}
+            for r, ev in sorted(by_rank.items())}
+
+
+# ---- seeded faults (each returns a mutated deep copy) -----------------------------------
+
+def _find(events, task_id, rank=None):
+    hits = [e for e in events if e.get("ph") == "X" and e["name"] == task_id and (rank is None or e["pid"] == rank)]
+    if not hits:
+        raise KeyError(f"{task_id} not in trace" + ("" if rank is None else f" on rank {rank}"))
+    return hits[0]
+
+
+def swap_tasks(events, a: str, b: str, rank=None) -> list[dict]:
+    """Swap the start times of two tasks (same lane): the lane runs them in the other order."""
+    ev = copy.deepcopy(events)
+    ea, eb = _find(ev, a, rank), _find(ev, b, rank)
+    ea["ts"], eb["ts"] = eb["ts"], ea["ts"]
+    return ev
+
+
+def move_to_tid(events, task_id: str, tid: int, rank=None) -> list[dict]:
+    ev = copy.deepcopy(events)
+    _find(ev, task_id, rank)["tid"] = tid
+    return ev
+
+
+def start_before_end_of(events, task_id: str, other: str, by_us: float = 25.0, rank=None) -> list[dict]:
+    """Move ``task_id`` so it starts ``by_us`` before ``other`` ends (a consumer before its
+    producer's end, an onload before its offload's end)."""
+    ev = copy.deepcopy(events)
+    e, o = _find(ev, task_id, rank), _find(ev, other, rank)
+    e["ts"] = o["ts"] + o["dur"] - by_us
+    return ev
+
+
+def drop_task(events, task_id: str, rank=None) -> list[dict]:
+    ev = copy.deepcopy(events)
+    victim = _find(ev, task_id, rank)
+    return [e for e in ev if e is not victim]
+
+
+def add_task(events, name: str, rank: int, tid: int, ts: float, dur: float = 10.0) -> list[dict]:
+    ev = copy.deepcopy(events)
+    ev.append({"ph": "X", "name": name, "cat": "x", "ts": ts, "dur": dur, "pid": rank, "tid": tid, "args": {}})
+    return ev
