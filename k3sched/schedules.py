@@ -728,3 +728,142 @@ def _zb_h2(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     _need(vpp == 1, f"zb-h2 places one stage per rank; needs vpp 1, got {vpp}")
     ranks = _greedy_zb(pp, M, [2 * pp - 1] * pp)
     return Schedule("zb-h2", pp, 1, M, Placement("loop", pp, 1), ranks)
+
+
+def _zb_v(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    """ZB-V (Qi et al., 2024, handcrafted V schedule): V placement, two chunks per rank.
+
+    Rank r: 2(pp-r)-1 chunk-0 forwards; r x (F1, F0); (pp-r) x (F1, I1, W1); steady
+    (F0, I0, W0, F1, I1, W1) while forwards remain; cool-down r x (I0, I1) and (pp-r) x (I0, W0);
+    then the pending W's. Generated for max(M, 2pp-1) micro-batches, the extra ones dropped.
+    """
+    _need(vpp == 2, f"zb-v places two chunks per rank (V shape); needs vpp 2, got {vpp}")
+    place = Placement("v", pp, 2)
+    n = max(M, 2 * pp - 1)
+    ranks = {}
+    for r in range(pp):
+        s0, s1 = place.stages_of(r)
+        k = _Rank(M)
+        cnt = {("F", 0): 0, ("F", 1): 0}
+
+        def f(c: int) -> None:
+            k.do((s0, s1)[c], "F")
+            cnt[("F", c)] += 1
+
+        def iw(c: int) -> None:
+            v = (s0, s1)[c]
+            a = k.take(v, "I")
+            k.wq.remove(Action(v, "W", a.mb))
+            k.slots += [a, Action(v, "W", a.mb)]
+
+        for _ in range(2 * (pp - r) - 1):
+            f(0)
+        for _ in range(r):
+            f(1)
+            f(0)
+        for _ in range(pp - r):
+            f(1)
+            iw(1)
+        while cnt[("F", 1)] < cnt[("F", 0)] or cnt[("F", 0)] < n:
+            if cnt[("F", 0)] < n:
+                f(0)
+            iw(0)
+            f(1)
+            iw(1)
+        for _ in range(r):
+            k.do(s0, "I")
+            k.do(s1, "I")
+        for _ in range(pp - r):
+            k.do(s0, "I")
+            k.slots.append(k.wq.pop(k.wq.index(min((w for w in k.wq if w.vstage == s0), key=lambda w: w.mb))))
+        for v in (s1, s0):
+            for w in sorted((w for w in k.wq if w.vstage == v), key=lambda w: w.mb):
+                k.slots.append(w)
+        k.wq.clear()
+        ranks[r] = k.trimmed()
+    return Schedule("zb-v", pp, 2, M, place, ranks)
+
+
+def _dualpipev(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    """DeepSeek DualPipeV (the "cut-in-half" DualPipe): V placement, two chunks per rank.
+
+    Rank r, chunk 0 = vstage r, chunk 1 = vstage 2pp-1-r, in eight phases:
+    1. 2(pp-1-r) x F0;  2. (r+1) x (F0, F1);  3. (pp-1-r) x (I1, W, F1);
+    4. (M-2pp+r+1) x (F0&B1, F1&B0) -- on the last rank the first F0&B1 runs unpaired;
+    5. (pp-1-r) x (B1, F1&B0);  6. (r+1) x (B1, B0), split into I's from the middle on;
+    7. (pp-1-r) x (W, B0 or I0);  8. (r+1) x W.  W's run oldest first ("W" = the weight queue).
+    """
+    _need(vpp == 2, f"dualpipev places two chunks per rank (V shape); needs vpp 2, got {vpp}")
+    _need(M >= 2 * pp, f"dualpipev needs microbatches >= 2*pp = {2 * pp}; got {M}")
+    place = Placement("v", pp, 2)
+    ranks = {}
+    for r in range(pp):
+        s0, s1 = place.stages_of(r)
+        k = _Rank(M)
+        for _ in range(2 * (pp - 1 - r)):
+            k.do(s0, "F")
+        for _ in range(r + 1):
+            k.do(s0, "F")
+            k.do(s1, "F")
+        for _ in range(pp - 1 - r):
+            k.do(s1, "I")
+            k.w()
+            k.do(s1, "F")
+        for i in range(M - 2 * pp + r + 1):
+            if i == 0 and r == pp - 1:
+                k.do(s0, "F")
+                k.do(s1, "B")
+            else:
+                k.pair(s0, s1)
+            k.pair(s1, s0)
+        for _ in range(pp - 1 - r):
+            k.do(s1, "B")
+            k.pair(s1, s0)
+        split = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            k.do(s1, "I" if split else "B")
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            k.do(s0, "I" if split else "B")
+        for _ in range(pp - 1 - r):
+            k.w()
+            k.do(s0, "I" if split else "B")
+        while k.wq:
+            k.w()
+        ranks[r] = k.slots
+    return Schedule("dualpipev", pp, 2, M, place, ranks)
+
+
+GENERATORS = {
+    "gpipe": _gpipe,
+    "1f1b": _1f1b,
+    "interleaved-1f1b": _interleaved,
+    "zb-h1": _zb_h1,
+    "zb-h2": _zb_h2,
+    "zb-v": _zb_v,
+    "dualpipev": _dualpipev,
+}
+
+
+def generate(name: str, pp: int, vpp: int, microbatches: int, *, warmup_extra: int = 0) -> Schedule:
+    """Generate the named schedule (one of ``GENERATORS``) and check it; ValueError with the
+    reason when the name or the (pp, vpp, microbatches) combination is not supported.
+
+    ``warmup_extra`` only applies to ``interleaved-1f1b`` (Kimi K2's extra warm-up
+    micro-batches); other schedules reject a non-zero value.
+    """
+    if name == "dualpipe":
+        raise ValueError("pipeline schedule 'dualpipe' (bidirectional, parameters duplicated) is not supported "
+                         "by this generator yet; use 'dualpipev' (same bubble, no duplicated parameters). The "
+                         "data model can hold it: see [Note: dualpipe mapping] and Schedule.bidirectional")
+    gen = GENERATORS.get(name)
+    if gen is None:
+        raise ValueError(f"pipeline schedule {name!r} is not supported; supported: {', '.join(GENERATORS)}")
+    _need(pp >= 1 and vpp >= 1 and microbatches >= 1,
+          f"{name}: need pp, vpp, microbatches >= 1; got {pp}, {vpp}, {microbatches}")
+    _need(warmup_extra >= 0, f"warmup_extra must be >= 0; got {warmup_extra}")
+    _need(warmup_extra == 0 or name == "interleaved-1f1b",
+          f"warmup_extra applies to interleaved-1f1b only; {name} got {warmup_extra}")
+    return check(gen(pp, vpp, microbatches, warmup_extra))
