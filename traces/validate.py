@@ -350,7 +350,12 @@ def validate(plan: dict, events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, 
         m = np.nonzero((rank == r) & (lane == li))[0]
         m = m[np.lexsort((P.pos[task[m]], start[m]))]
         pos = P.pos[task[m]]
+        # report the fewest tasks that explain the disorder: those outside a longest in-order
+        # subsequence (one task moved), or those not at their planned rank (two tasks swapped)
         keep = _lis_mask(pos)
+        in_place = np.argsort(np.argsort(pos, kind="stable"), kind="stable") == np.arange(len(pos))
+        if (~in_place).sum() <= (~keep).sum():
+            keep = in_place
         for k in np.nonzero(~keep)[0].tolist():
             i = m[k]
             later = [j for j in range(k) if pos[j] > pos[k]]
