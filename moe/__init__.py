@@ -1,1 +1,19 @@
+"""MoE transformer with task-level sub-ops (fwd / dX / dW split) for the k3sched executor.
 
+Entry points: :class:`MoEModelArgs`, :class:`MoEModel` (``build``, ``new_microbatch``, ``run``,
+``reference_loss``), :func:`run_microbatch_in_order`, :func:`microbatch_tasks`. See
+[Note: split backward] in :mod:`moe.split` and [Note: sub-op graph of one layer] in
+:mod:`moe.model`.
+"""
+
+from moe.config import MoEModelArgs
+from moe.context import LayerCtx, MicroBatch, RoutingPlan
+from moe.model import (INTRA_LAYER_DEPS, LAYER_KINDS, MICROBATCH_KINDS, Block, MicroBatchTasks, MoEModel,
+                       init_full_state, microbatch_tasks, run_microbatch_in_order, run_tasks)
+from moe.split import SavedStore, SubOpCtx, WGradSlot
+
+__all__ = [
+    "INTRA_LAYER_DEPS", "LAYER_KINDS", "MICROBATCH_KINDS", "Block", "LayerCtx", "MicroBatch", "MicroBatchTasks",
+    "MoEModel", "MoEModelArgs", "RoutingPlan", "SavedStore", "SubOpCtx", "WGradSlot", "init_full_state",
+    "microbatch_tasks", "run_microbatch_in_order", "run_tasks",
+]

@@ -1,0 +1,49 @@
+"""EP communication: count exchange and uneven all-to-all on the EP process group.
+
+The EP group is passed explicitly to every call (``None`` = no EP: one rank holds all experts,
+the all-to-alls are identities). Calls are synchronous; the executor runs them on its EP lane.
+The order of these calls on a group must be the same on every rank of it (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = dist.ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """World size of ``group`` (1 when None)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (0 when None)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def exchange_counts(counts_E: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Send each EP rank the token counts for its experts; return ``recv_counts_RL``.
+
+    ``counts_E`` (int64, length E = R * L) counts this rank's routed slots per global expert.
+    Row ``r`` of the result holds what rank ``r`` sends to each of this rank's L local experts.
+    """
+    R = group_size(group)
+    if R == 1:
+        return counts_E.view(1, -1).clone()
+    out = torch.empty_like(counts_E)
+    dist.all_to_all_single(out, counts_E.contiguous(), group=group)
+    return out.view(R, -1)
+
+
+def all_to_all_uneven(x: Tensor, send_splits: list[int], recv_splits: list[int],
+                      group: ProcessGroup | None) -> Tensor:
+    """``all_to_all_single`` of rows: ``send_splits[r]`` rows to rank r, ``recv_splits[r]`` from it."""
+    if group_size(group) == 1:
+        return x.detach().clone()
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.detach().contiguous(), output_split_sizes=list(recv_splits),
+                           input_split_sizes=list(send_splits), group=group)
+    return out

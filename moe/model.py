@@ -1,0 +1,645 @@
+"""MoE transformer whose sub-ops are the plan's task kinds (see k3sched.tasks.Kind).
+
+Shape legend: see :mod:`moe.context`.
+
+[Note: sub-op graph of one layer]
+    attn.fwd     x -> RMSNorm -> qkv -> causal SDPA -> o-proj -> h = x + o; xn = RMSNorm(h)
+    router.fwd   xn -> gate -> softmax scores -> top-k (selection may add ``expert_bias``)
+                 -> weights w (renormalised if ``normalize_topk``), sequence-wise aux loss
+    dispatch.fwd sort slots by expert, exchange counts, all-to-all xn rows to the expert ranks
+    shared.fwd   xn -> shared SwiGLU (replicated on every EP rank)
+    expert.fwd   received rows -> grouped SwiGLU over the local experts
+    combine.fwd  all-to-all back, unpermute, y = h + shared + sum_k w_k * expert_k(xn)
+    mlp.fwd      (dense layers, instead of router..combine) y = h + SwiGLU(xn)
+Backward: combine.bwd (local combine backward, then all-to-all of the expert-output grads to the
+expert ranks) -> expert.dx / shared.dx / router.bwd -> [dispatch.re] -> dispatch.bwd (all-to-all
+of input grads back, unpermute) -> attn.dx. WGrad: attn.dw, shared.dw, expert.dw (after
+dispatch.re when dispatch recompute is on), mlp.dw. Router dW runs inside router.bwd.
+Per micro-batch extras: embed.fwd / embed.dw (after attn.dx of layer 0), head.fwd (loss),
+head.dx, head.dw. ``INTRA_LAYER_DEPS`` lists these dependencies as data.
+
+Loss: ``ce + aux_loss_coef * sum_layers aux`` with a sequence-wise aux loss (DeepSeek-V3 style:
+per sequence ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the sequence's K*S slots routed
+to e and ``P_e`` its mean score, averaged over sequences). It is linear in the sequences, so
+splitting a batch over data-parallel / EP ranks and averaging their losses gives the same value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3sched.tasks import Kind
+from moe.comm import ProcessGroup, all_to_all_uneven, exchange_counts, group_size
+from moe.config import MoEModelArgs
+from moe.context import LayerCtx, MicroBatch, RoutingPlan, zero_scalar_like
+from moe.split import SubOpCtx
+
+EXPERT_PARAMS: frozenset[str] = frozenset({"w1", "w3", "w2"})
+"""Block parameter names sharded over EP ranks (dim 0 = expert)."""
+
+INTRA_LAYER_DEPS: Mapping[Kind, tuple[Kind, ...]] = MappingProxyType({
+    Kind.ROUTER_FWD: (Kind.ATTN_FWD,),
+    Kind.SHARED_FWD: (Kind.ATTN_FWD,),
+    Kind.DISPATCH_FWD: (Kind.ROUTER_FWD,),
+    Kind.EXPERT_FWD: (Kind.DISPATCH_FWD,),
+    Kind.COMBINE_FWD: (Kind.EXPERT_FWD, Kind.SHARED_FWD, Kind.ROUTER_FWD),
+    Kind.MLP_FWD: (Kind.ATTN_FWD,),
+    Kind.COMBINE_BWD: (Kind.COMBINE_FWD,),
+    Kind.EXPERT_DX: (Kind.COMBINE_BWD,),
+    Kind.SHARED_DX: (Kind.COMBINE_BWD,),
+    Kind.ROUTER_BWD: (Kind.COMBINE_BWD,),
+    Kind.DISPATCH_RE: (Kind.EXPERT_FWD,),
+    Kind.DISPATCH_BWD: (Kind.EXPERT_DX,),
+    Kind.ATTN_DX: (Kind.DISPATCH_BWD, Kind.SHARED_DX, Kind.ROUTER_BWD, Kind.MLP_DX),
+    Kind.MLP_DX: (Kind.MLP_FWD,),
+    Kind.ATTN_DW: (Kind.ATTN_DX,),
+    Kind.SHARED_DW: (Kind.SHARED_DX,),
+    Kind.EXPERT_DW: (Kind.EXPERT_DX, Kind.DISPATCH_RE),
+    Kind.MLP_DW: (Kind.MLP_DX,),
+})
+"""Dependencies between the tasks of one layer and micro-batch (kinds absent from a layer, e.g.
+``mlp.*`` in an MoE layer or ``dispatch.re`` without recompute, are to be ignored). Across layers:
+attn.fwd(l) needs combine.fwd / mlp.fwd (l-1) (embed.fwd for l = 0); combine.bwd / mlp.dx (l) need
+attn.dx (l+1) (head.dx for the last layer); embed.dw needs attn.dx (0)."""
+
+LAYER_KINDS: frozenset[Kind] = frozenset(k for k in Kind if k.op in {"attn", "router", "dispatch", "shared",
+                                                                      "expert", "combine", "mlp"})
+MICROBATCH_KINDS: frozenset[Kind] = frozenset({Kind.EMBED_FWD, Kind.EMBED_DW, Kind.HEAD_FWD, Kind.HEAD_DX,
+                                               Kind.HEAD_DW})
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """``x / rms(x)`` over the last dim (the RMSNorm weight is applied by the caller)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def router_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Routers run in fp32 at least."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def sequence_aux_loss(scores_TE: Tensor, topk_idx_TK: Tensor, batch: int) -> Tensor:
+    """Sequence-wise load-balancing loss averaged over the ``batch`` sequences of the tokens."""
+    T, E = scores_TE.shape
+    K = topk_idx_TK.shape[1]
+    S = T // batch
+    counts_BE = F.one_hot(topk_idx_TK, E).sum(1).view(batch, S, E).sum(1).to(scores_TE.dtype)
+    f_BE = counts_BE * (E / (S * K))
+    p_BE = scores_TE.view(batch, S, E).mean(1)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+def route(scores_TE: Tensor, expert_bias_E: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Top-k selection on ``scores + bias`` (bias affects selection only); gather the weights."""
+    topk_idx_TK = torch.topk(scores_TE.detach() + expert_bias_E, top_k, dim=-1).indices
+    w_TK = scores_TE.gather(1, topk_idx_TK)
+    if normalize:
+        denom = w_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(w_TK.dtype).eps)
+        w_TK = w_TK / denom
+    return topk_idx_TK, w_TK
+
+
+def init_full_state(args: MoEModelArgs, seed: int) -> dict[str, Tensor]:
+    """Deterministic full (all experts) weights on CPU: the same on every rank for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    dt = args.torch_dtype
+    D, V, E, F_, Fd = args.hidden, args.vocab, args.experts, args.expert_hidden, args.dense_hidden
+    Fs = args.shared_experts * F_
+
+    def mat(*shape: int) -> Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) / math.sqrt(shape[-1])).to(dt)
+
+    def norm() -> Tensor:
+        return (1.0 + 0.1 * torch.randn(D, generator=g, dtype=torch.float64)).to(dt)
+
+    state: dict[str, Tensor] = {"embed": mat(V, D)}
+    for i in range(args.layers):
+        p = f"layers.{i}."
+        state.update({p + "attn_norm": norm(), p + "wqkv": mat(3 * D, D), p + "wo": mat(D, D),
+                      p + "ffn_norm": norm()})
+        if args.is_moe_layer(i):
+            state.update({p + "gate": mat(E, D), p + "expert_bias": torch.zeros(E, dtype=router_dtype(dt)),
+                          p + "w1": mat(E, F_, D), p + "w3": mat(E, F_, D), p + "w2": mat(E, D, F_)})
+            if Fs:
+                state.update({p + "shared_w1": mat(Fs, D), p + "shared_w3": mat(Fs, D),
+                              p + "shared_w2": mat(D, Fs)})
+        else:
+            state.update({p + "mlp_w1": mat(Fd, D), p + "mlp_w3": mat(Fd, D), p + "mlp_w2": mat(D, Fd)})
+    state.update({"final_norm": norm(), "head": mat(V, D)})
+    return state
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+
+def _swiglu_reference(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+class Block(nn.Module):
+    """One transformer block; its methods are the per-layer sub-op tasks."""
+
+    def __init__(self, args: MoEModelArgs, layer: int, ep_rank: int, ep_size: int,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.args, self.layer, self.ep_rank, self.ep_size = args, layer, ep_rank, ep_size
+        self.is_moe = args.is_moe_layer(layer)
+        dt, D = args.torch_dtype, args.hidden
+        self.attn_norm = _param(D, dtype=dt, device=device)
+        self.wqkv = _param(3 * D, D, dtype=dt, device=device)
+        self.wo = _param(D, D, dtype=dt, device=device)
+        self.ffn_norm = _param(D, dtype=dt, device=device)
+        if self.is_moe:
+            if args.experts % ep_size:
+                raise ValueError(f"experts ({args.experts}) must be a multiple of the EP size ({ep_size})")
+            L, F_, Fs = args.experts // ep_size, args.expert_hidden, args.shared_experts * args.expert_hidden
+            self.num_local_experts = L
+            self.gate = _param(args.experts, D, dtype=dt, device=device)
+            self.register_buffer("expert_bias", torch.zeros(args.experts, dtype=router_dtype(dt), device=device))
+            self.w1 = _param(L, F_, D, dtype=dt, device=device)
+            self.w3 = _param(L, F_, D, dtype=dt, device=device)
+            self.w2 = _param(L, D, F_, dtype=dt, device=device)
+            if Fs:
+                self.shared_w1 = _param(Fs, D, dtype=dt, device=device)
+                self.shared_w3 = _param(Fs, D, dtype=dt, device=device)
+                self.shared_w2 = _param(D, Fs, dtype=dt, device=device)
+        else:
+            Fd = args.dense_hidden
+            self.mlp_w1 = _param(Fd, D, dtype=dt, device=device)
+            self.mlp_w3 = _param(Fd, D, dtype=dt, device=device)
+            self.mlp_w2 = _param(D, Fd, dtype=dt, device=device)
+
+    @property
+    def has_shared(self) -> bool:
+        return self.is_moe and self.args.shared_experts > 0
+
+    def _check_group(self, group: ProcessGroup | None) -> None:
+        if group_size(group) != self.ep_size:
+            raise ValueError(f"layer {self.layer}: EP group of size {group_size(group)} but the model was "
+                             f"sharded for EP size {self.ep_size}")
+
+    # -- forward ---------------------------------------------------------------------------------
+    def attn_fwd(self, lc: LayerCtx, x_BSD: Tensor) -> None:
+        """attn.fwd: attention sub-layer plus the FFN pre-norm; sets ``h_BSD`` and ``xn_TD``."""
+        a = self.args
+        B, S, D = x_BSD.shape
+        c = lc.attn = SubOpCtx("attn")
+        with c.recording():
+            x = c.tap("x", x_BSD)
+            n = c.scale("attn_norm", rms_normalize(x, a.rms_eps), self.attn_norm)
+            qkv = c.linear("wqkv", n, self.wqkv)
+            q, k, v = qkv.view(B, S, 3, a.heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            o_BSD = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
+            h = x + c.linear("wo", o_BSD, self.wo)
+            xn = c.scale("ffn_norm", rms_normalize(h, a.rms_eps), self.ffn_norm)
+            lc.h_BSD = c.output("h", h)
+            lc.xn_TD = c.output("xn", xn.reshape(B * S, D))
+
+    def router_fwd(self, lc: LayerCtx, batch: int) -> None:
+        """router.fwd: top-k routing of ``xn_TD``; sets ``topk_idx_TK``, ``topk_w_TK``, ``aux``."""
+        c = lc.router = SubOpCtx("router")
+        with c.recording():
+            xn = c.tap("xn", lc.xn_TD)
+            logits_TE = c.linear("gate", xn.to(router_dtype(xn.dtype)), self.gate)
+            scores_TE = logits_TE.softmax(-1)
+            idx, w = route(scores_TE, self.expert_bias, self.args.top_k, self.args.normalize_topk)
+            aux = sequence_aux_loss(scores_TE, idx, batch)
+            lc.topk_idx_TK = idx
+            lc.topk_w_TK = c.output("w", w)
+            lc.aux = c.output("aux", aux)
+
+    def dispatch_fwd(self, lc: LayerCtx, group: ProcessGroup | None) -> None:
+        """dispatch.fwd: sort slots by expert, exchange counts, all-to-all rows; sets ``recv_ND``."""
+        self._check_group(group)
+        a, R, L = self.args, self.ep_size, self.num_local_experts
+        idx_TK = lc.topk_idx_TK
+        K = idx_TK.shape[1]
+        flat_P = idx_TK.reshape(-1)
+        order_P = torch.argsort(flat_P, stable=True)
+        counts_E = torch.bincount(flat_P, minlength=a.experts)
+        recv_counts_RL = exchange_counts(counts_E, group)
+        recv_RL_cpu = recv_counts_RL.cpu()
+        local_expert_N = torch.repeat_interleave(torch.arange(L).repeat(R), recv_RL_cpu.reshape(-1))
+        local_sort_N = torch.argsort(local_expert_N, stable=True).to(flat_P.device)
+        lc.plan = RoutingPlan(
+            order_P=order_P, token_of_slot_P=order_P // K, inv_order_P=torch.argsort(order_P),
+            send_splits=counts_E.view(R, L).sum(1).tolist(), recv_splits=recv_RL_cpu.sum(1).tolist(),
+            recv_counts_RL=recv_counts_RL, tokens_per_local_expert=recv_RL_cpu.sum(0).tolist(),
+            local_sort_N=local_sort_N, local_unsort_N=torch.argsort(local_sort_N))
+        c = lc.dispatch = SubOpCtx("dispatch")
+        with c.recording():
+            xn = c.tap("xn", lc.xn_TD)
+            x_perm_PD = c.output("x_perm", xn.index_select(0, lc.plan.token_of_slot_P))
+        if a.dispatch_recompute:
+            c.store.put(lc.xn_TD, "recompute", name="dispatch.xn")
+        lc.recv_ND = all_to_all_uneven(x_perm_PD, lc.plan.send_splits, lc.plan.recv_splits, group)
+
+    def shared_fwd(self, lc: LayerCtx) -> None:
+        """shared.fwd: shared-expert SwiGLU of ``xn_TD``; sets ``shared_TD`` (no-op without one)."""
+        if not self.has_shared:
+            return
+        c = lc.shared = SubOpCtx("shared")
+        with c.recording():
+            xn = c.tap("xn", lc.xn_TD)
+            a = F.silu(c.linear("w1", xn, self.shared_w1)) * c.linear("w3", xn, self.shared_w3)
+            lc.shared_TD = c.output("out", c.linear("w2", a, self.shared_w2))
+
+    def expert_fwd(self, lc: LayerCtx) -> None:
+        """expert.fwd: grouped SwiGLU over local experts; sets ``expert_out_ND`` (received order)."""
+        p = lc.plan
+        c = lc.expert = SubOpCtx("expert")
+        sizes = p.tokens_per_local_expert
+        with c.recording():
+            x_ND = c.tap("recv", lc.recv_ND)
+            xs_ND = x_ND.index_select(0, p.local_sort_N)
+            h1 = c.grouped_linear("w1", xs_ND, self.w1, sizes)
+            h3 = c.grouped_linear("w3", xs_ND, self.w3, sizes)
+            o_ND = c.grouped_linear("w2", F.silu(h1) * h3, self.w2, sizes)
+            lc.expert_out_ND = c.output("out", o_ND.index_select(0, p.local_unsort_N))
+        if self.args.dispatch_recompute:
+            lc.recompute_name = c.slots[0].x_name
+            c.store.evict(lc.recompute_name)
+
+    def combine_fwd(self, lc: LayerCtx, group: ProcessGroup | None) -> Tensor:
+        """combine.fwd: all-to-all expert outputs back, unpermute, weighted sum, residuals.
+
+        Returns the layer output ``y_BSD`` (detached)."""
+        self._check_group(group)
+        p = lc.plan
+        B, S, D = lc.h_BSD.shape
+        T, K = lc.topk_w_TK.shape
+        y_perm_PD = all_to_all_uneven(lc.expert_out_ND, p.recv_splits, p.send_splits, group)
+        c = lc.combine = SubOpCtx("combine")
+        with c.recording():
+            y_TKD = c.tap("y_perm", y_perm_PD).index_select(0, p.inv_order_P).view(T, K, D)
+            w_TK = c.tap("w", lc.topk_w_TK).to(y_TKD.dtype)
+            out_TD = (y_TKD * w_TK.unsqueeze(-1)).sum(1)
+            if lc.shared_TD is not None:
+                out_TD = out_TD + c.tap("shared", lc.shared_TD)
+            y = c.output("y", c.tap("h", lc.h_BSD) + out_TD.view(B, S, D))
+        lc.clear_forward_boundaries()
+        return y
+
+    def mlp_fwd(self, lc: LayerCtx) -> Tensor:
+        """mlp.fwd (dense layer): ``y = h + SwiGLU(xn)``; returns ``y_BSD`` (detached)."""
+        B, S, D = lc.h_BSD.shape
+        c = lc.mlp = SubOpCtx("mlp")
+        with c.recording():
+            xn = c.tap("xn", lc.xn_TD)
+            a = F.silu(c.linear("w1", xn, self.mlp_w1)) * c.linear("w3", xn, self.mlp_w3)
+            y = c.output("y", c.tap("h", lc.h_BSD) + c.linear("w2", a, self.mlp_w2).view(B, S, D))
+        lc.clear_forward_boundaries()
+        return y
+
+    # -- backward: input gradients ---------------------------------------------------------------
+    def combine_bwd(self, lc: LayerCtx, grad_y_BSD: Tensor, group: ProcessGroup | None) -> None:
+        """combine.bwd: combine backward, then all-to-all of expert-output grads to expert ranks."""
+        self._check_group(group)
+        g = lc.combine.backward_dx({"y": grad_y_BSD})
+        lc.grad_h_BSD, lc.grad_topk_w_TK, lc.grad_shared_TD = g["h"], g.get("w"), g.get("shared")
+        p = lc.plan
+        lc.grad_expert_out_ND = all_to_all_uneven(g["y_perm"], p.send_splits, p.recv_splits, group)
+
+    def expert_dx(self, lc: LayerCtx) -> None:
+        """expert.dx: grads of the received rows (expert dW deferred to expert.dw)."""
+        g = lc.expert.backward_dx({"out": lc.grad_expert_out_ND})
+        lc.grad_expert_out_ND = None
+        lc.grad_recv_ND = g["recv"]
+
+    def dispatch_re(self, lc: LayerCtx, group: ProcessGroup | None) -> None:
+        """dispatch.re: re-run the dispatch all-to-all from the kept input to refill the expert
+        input that expert.dw needs (dispatch recompute, EP-DR)."""
+        self._check_group(group)
+        if lc.recompute_name is None:
+            raise RuntimeError(f"layer {self.layer}: dispatch.re without dispatch recompute")
+        p = lc.plan
+        xn_TD = lc.dispatch.store.get("dispatch.xn")
+        recv_ND = all_to_all_uneven(xn_TD.index_select(0, p.token_of_slot_P), p.send_splits, p.recv_splits, group)
+        lc.expert.store.restore(lc.recompute_name, recv_ND.index_select(0, p.local_sort_N))
+        lc.dispatch.store.release("dispatch.xn", "recompute")
+        lc.recompute_name = None
+
+    def dispatch_bwd(self, lc: LayerCtx, group: ProcessGroup | None) -> None:
+        """dispatch.bwd: all-to-all of the received rows' grads back to the token owners, then
+        unpermute (index-add) into the grad of ``xn``."""
+        self._check_group(group)
+        p = lc.plan
+        g_perm_PD = all_to_all_uneven(lc.grad_recv_ND, p.recv_splits, p.send_splits, group)
+        lc.grad_recv_ND = None
+        lc.add_grad_xn(lc.dispatch.backward_dx({"x_perm": g_perm_PD})["xn"])
+
+    def shared_dx(self, lc: LayerCtx) -> None:
+        """shared.dx: shared-expert input grad (no-op without shared experts)."""
+        if lc.shared is None:
+            return
+        lc.add_grad_xn(lc.shared.backward_dx({"out": lc.grad_shared_TD})["xn"])
+        lc.grad_shared_TD = None
+
+    def router_bwd(self, lc: LayerCtx, aux_grad: float) -> None:
+        """router.bwd: router dX and dW together (from the weights' grads and the aux loss)."""
+        grads = {"w": lc.grad_topk_w_TK}
+        if aux_grad:
+            grads["aux"] = zero_scalar_like(lc.aux, aux_grad)
+        g = lc.router.backward_dx(grads)
+        lc.router.apply_wgrad()
+        lc.grad_topk_w_TK = None
+        lc.add_grad_xn(g["xn"])
+
+    def mlp_dx(self, lc: LayerCtx, grad_y_BSD: Tensor) -> None:
+        """mlp.dx: dense MLP input grads (grads of ``xn`` and of the residual ``h``)."""
+        g = lc.mlp.backward_dx({"y": grad_y_BSD})
+        lc.grad_h_BSD = g["h"]
+        lc.add_grad_xn(g["xn"])
+
+    def attn_dx(self, lc: LayerCtx) -> Tensor:
+        """attn.dx: grad of the layer input from the grads of ``h`` and ``xn``."""
+        g = lc.attn.backward_dx({"h": lc.grad_h_BSD, "xn": lc.grad_xn_TD})
+        lc.clear_backward_boundaries()
+        return g["x"]
+
+    # -- plain autograd reference ---------------------------------------------------------------
+    def reference_forward(self, x_BSD: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Plain-autograd forward of the block with all experts local (a loop over experts)."""
+        a = self.args
+        B, S, D = x_BSD.shape
+        n = rms_normalize(x_BSD, a.rms_eps) * self.attn_norm
+        q, k, v = F.linear(n, self.wqkv).view(B, S, 3, a.heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
+        h = x_BSD + F.linear(o, self.wo)
+        xn_TD = (rms_normalize(h, a.rms_eps) * self.ffn_norm).reshape(B * S, D)
+        if not self.is_moe:
+            return h + _swiglu_reference(xn_TD, self.mlp_w1, self.mlp_w3, self.mlp_w2).view(B, S, D), None
+        if self.ep_size != 1:
+            raise ValueError("the reference path needs every expert local (EP size 1)")
+        rdt = router_dtype(xn_TD.dtype)
+        scores_TE = F.linear(xn_TD.to(rdt), self.gate.to(rdt)).softmax(-1)
+        idx_TK, w_TK = route(scores_TE, self.expert_bias, a.top_k, a.normalize_topk)
+        aux = sequence_aux_loss(scores_TE, idx_TK, B)
+        out_TD = torch.zeros_like(xn_TD)
+        for e in range(a.experts):
+            tok, slot = (idx_TK == e).nonzero(as_tuple=True)
+            if tok.numel():
+                y = _swiglu_reference(xn_TD[tok], self.w1[e], self.w3[e], self.w2[e])
+                out_TD = out_TD.index_add(0, tok, y * w_TK[tok, slot].unsqueeze(-1).to(y.dtype))
+        if self.has_shared:
+            out_TD = out_TD + _swiglu_reference(xn_TD, self.shared_w1, self.shared_w3, self.shared_w2)
+        return h + out_TD.view(B, S, D), aux
+
+
+_HANDLERS: Mapping[Kind, str] = MappingProxyType({k: "_run_" + k.value.replace(".", "_")
+                                                 for k in LAYER_KINDS | MICROBATCH_KINDS})
+
+
+class MoEModel(nn.Module):
+    """Embedding -> blocks -> final norm + head + cross-entropy, with EP-sharded experts.
+
+    Build with :meth:`build` (from a seed) or :meth:`from_full_state` (from full weights); expert
+    ``e`` lives on EP rank ``e // (experts / ep_size)``. Execute with :meth:`new_microbatch` and
+    :meth:`run` per task (see [Note: sub-op graph of one layer]), or :func:`run_microbatch_in_order`.
+    """
+
+    def __init__(self, args: MoEModelArgs, *, ep_rank: int = 0, ep_size: int = 1,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"ep_rank {ep_rank} not in [0, {ep_size})")
+        device = torch.device(device) if device is not None else None
+        self.args, self.ep_rank, self.ep_size = args, ep_rank, ep_size
+        dt = args.torch_dtype
+        self.embed = _param(args.vocab, args.hidden, dtype=dt, device=device)
+        self.layers = nn.ModuleList(Block(args, i, ep_rank, ep_size, device) for i in range(args.layers))
+        self.final_norm = _param(args.hidden, dtype=dt, device=device)
+        self.head = _param(args.vocab, args.hidden, dtype=dt, device=device)
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_full_state(cls, args: MoEModelArgs, state: Mapping[str, Tensor], *, ep_rank: int = 0,
+                        ep_size: int = 1, device: torch.device | str | None = None) -> MoEModel:
+        """Model holding the local expert slice of full weights ``state`` (see init_full_state)."""
+        model = cls(args, ep_rank=ep_rank, ep_size=ep_size, device=device)
+        local = {name: model.shard_of(name, t) for name, t in state.items()}
+        model.load_state_dict(local, strict=True)
+        return model
+
+    @classmethod
+    def build(cls, args: MoEModelArgs, seed: int, *, ep_rank: int = 0, ep_size: int = 1,
+              device: torch.device | str | None = None) -> MoEModel:
+        """Model with weights ``init_full_state(args, seed)`` (identical across EP sizes)."""
+        return cls.from_full_state(args, init_full_state(args, seed), ep_rank=ep_rank, ep_size=ep_size,
+                                   device=device)
+
+    @staticmethod
+    def is_expert_param(name: str) -> bool:
+        """Whether parameter ``name`` is sharded over EP ranks (dim 0 = expert)."""
+        return name.rsplit(".", 1)[-1] in EXPERT_PARAMS
+
+    def shard_of(self, name: str, full: Tensor) -> Tensor:
+        """This rank's slice of the full tensor ``name`` (the tensor itself if not sharded)."""
+        if not self.is_expert_param(name):
+            return full
+        L = self.args.experts // self.ep_size
+        return full[self.ep_rank * L:(self.ep_rank + 1) * L]
+
+    # -- task execution --------------------------------------------------------------------------
+    def new_microbatch(self, tokens_BS: Tensor, targets_BS: Tensor, *, index: int = 0,
+                       loss_scale: float = 1.0) -> MicroBatch:
+        """Fresh task state for one micro-batch of token ids ``[B, S]``."""
+        n = self.args.layers
+        return MicroBatch(index=index, tokens_BS=tokens_BS, targets_BS=targets_BS, loss_scale=loss_scale,
+                          layers=[LayerCtx(i, self.args.is_moe_layer(i)) for i in range(n)],
+                          acts=[None] * (n + 1), grads=[None] * (n + 1))
+
+    def run(self, kind: Kind, mb: MicroBatch, layer: int | None = None,
+            ep_group: ProcessGroup | None = None) -> None:
+        """Run task ``kind`` of micro-batch ``mb`` (and ``layer`` for per-layer kinds).
+
+        ``ep_group`` is the EP process group (None: EP size 1); only the ep-lane kinds use it.
+        Tasks must run in an order that respects ``INTRA_LAYER_DEPS`` and the cross-layer rules.
+        """
+        name = _HANDLERS.get(Kind(kind))
+        if name is None:
+            raise ValueError(f"moe model has no handler for task kind {kind!r}")
+        if (Kind(kind) in LAYER_KINDS) != (layer is not None):
+            raise ValueError(f"task kind {kind!r}: layer must be {'given' if layer is None else 'None'}")
+        handler: Callable[[MicroBatch, int | None, ProcessGroup | None], None] = getattr(self, name)
+        handler(mb, layer, ep_group)
+
+    def _block(self, layer: int, moe: bool) -> Block:
+        block = self.layers[layer]
+        if block.is_moe != moe:
+            raise ValueError(f"layer {layer} is {'an MoE' if block.is_moe else 'a dense'} layer")
+        return block
+
+    def _run_embed_fwd(self, mb: MicroBatch, layer: None, group: ProcessGroup | None) -> None:
+        c = mb.embed = SubOpCtx("embed")
+        c.embedding_slot(self.embed, mb.tokens_BS)
+        mb.acts[0] = self.embed.detach()[mb.tokens_BS]
+
+    def _run_embed_dw(self, mb: MicroBatch, layer: None, group: ProcessGroup | None) -> None:
+        c = mb.embed
+        c.slots[0].save_grad(mb.grads[0])
+        mb.grads[0] = None
+        c.dx_done = True
+        c.apply_wgrad()
+
+    def _run_head_fwd(self, mb: MicroBatch, layer: None, group: ProcessGroup | None) -> None:
+        a = self.args
+        c = mb.head = SubOpCtx("head")
+        with c.recording():
+            x = c.tap("x", mb.acts[-1])
+            logits = c.linear("head", c.scale("final_norm", rms_normalize(x, a.rms_eps), self.final_norm), self.head)
+            ce = F.cross_entropy(logits.to(router_dtype(logits.dtype)).reshape(-1, a.vocab), mb.targets_BS.reshape(-1))
+            mb.ce = c.output("loss", ce)
+        mb.acts[-1] = None
+        aux = [lc.aux for lc in mb.layers if lc.aux is not None]
+        mb.loss = mb.ce + a.aux_loss_coef * sum(aux) if aux else mb.ce
+
+    def _run_head_dx(self, mb: MicroBatch, layer: None, group: ProcessGroup | None) -> None:
+        mb.grads[-1] = mb.head.backward_dx({"loss": zero_scalar_like(mb.ce, mb.loss_scale)})["x"]
+
+    def _run_head_dw(self, mb: MicroBatch, layer: None, group: ProcessGroup | None) -> None:
+        mb.head.apply_wgrad()
+
+    def _run_attn_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self.layers[layer].attn_fwd(mb.layers[layer], mb.acts[layer])
+        mb.acts[layer] = None
+
+    def _run_router_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).router_fwd(mb.layers[layer], mb.tokens_BS.shape[0])
+
+    def _run_dispatch_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).dispatch_fwd(mb.layers[layer], group)
+
+    def _run_shared_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).shared_fwd(mb.layers[layer])
+
+    def _run_expert_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).expert_fwd(mb.layers[layer])
+
+    def _run_combine_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        mb.acts[layer + 1] = self._block(layer, True).combine_fwd(mb.layers[layer], group)
+
+    def _run_mlp_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        mb.acts[layer + 1] = self._block(layer, False).mlp_fwd(mb.layers[layer])
+
+    def _run_combine_bwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).combine_bwd(mb.layers[layer], mb.grads[layer + 1], group)
+        mb.grads[layer + 1] = None
+
+    def _run_expert_dx(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).expert_dx(mb.layers[layer])
+
+    def _run_dispatch_re(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).dispatch_re(mb.layers[layer], group)
+
+    def _run_dispatch_bwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).dispatch_bwd(mb.layers[layer], group)
+
+    def _run_shared_dx(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).shared_dx(mb.layers[layer])
+
+    def _run_router_bwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, True).router_bwd(mb.layers[layer], self.args.aux_loss_coef * mb.loss_scale)
+
+    def _run_mlp_dx(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        self._block(layer, False).mlp_dx(mb.layers[layer], mb.grads[layer + 1])
+        mb.grads[layer + 1] = None
+
+    def _run_attn_dx(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        mb.grads[layer] = self.layers[layer].attn_dx(mb.layers[layer])
+
+    def _run_attn_dw(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        mb.layers[layer].attn.apply_wgrad()
+
+    def _run_shared_dw(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        lc = mb.layers[layer]
+        if lc.shared is not None:
+            lc.shared.apply_wgrad()
+
+    def _run_expert_dw(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        mb.layers[layer].expert.apply_wgrad()
+
+    def _run_mlp_dw(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
+        mb.layers[layer].mlp.apply_wgrad()
+
+    # -- plain autograd reference ----------------------------------------------------------------
+    def reference_loss(self, tokens_BS: Tensor, targets_BS: Tensor) -> Tensor:
+        """Loss by plain autograd (no task split, every expert local: needs EP size 1)."""
+        a = self.args
+        x = F.embedding(tokens_BS, self.embed)
+        aux: list[Tensor] = []
+        for block in self.layers:
+            x, layer_aux = block.reference_forward(x)
+            if layer_aux is not None:
+                aux.append(layer_aux)
+        logits = F.linear(rms_normalize(x, a.rms_eps) * self.final_norm, self.head)
+        ce = F.cross_entropy(logits.to(router_dtype(logits.dtype)).reshape(-1, a.vocab), targets_BS.reshape(-1))
+        return ce + a.aux_loss_coef * sum(aux) if aux else ce
+
+    def forward_backward_reference(self, tokens_BS: Tensor, targets_BS: Tensor, loss_scale: float = 1.0
+                                   ) -> Tensor:
+        """``reference_loss`` then ``(loss * loss_scale).backward()``; returns the loss (detached)."""
+        loss = self.reference_loss(tokens_BS, targets_BS)
+        (loss * loss_scale).backward()
+        return loss.detach()
+
+
+@dataclass(frozen=True)
+class MicroBatchTasks:
+    """The tasks of one micro-batch in a valid order, as ``(kind, layer or None)`` pairs."""
+
+    forward: tuple[tuple[Kind, int | None], ...]
+    backward_dx: tuple[tuple[Kind, int | None], ...]
+    wgrad: tuple[tuple[Kind, int | None], ...]
+
+
+def microbatch_tasks(args: MoEModelArgs) -> MicroBatchTasks:
+    """Forward of every layer, then dX in reverse layer order, then every dW."""
+    fwd: list[tuple[Kind, int | None]] = [(Kind.EMBED_FWD, None)]
+    dx: list[tuple[Kind, int | None]] = [(Kind.HEAD_DX, None)]
+    dw: list[tuple[Kind, int | None]] = [(Kind.HEAD_DW, None)]
+    for i in range(args.layers):
+        if args.is_moe_layer(i):
+            kinds = [Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD,
+                     Kind.COMBINE_FWD]
+        else:
+            kinds = [Kind.ATTN_FWD, Kind.MLP_FWD]
+        fwd += [(k, i) for k in kinds]
+    fwd.append((Kind.HEAD_FWD, None))
+    for i in reversed(range(args.layers)):
+        if args.is_moe_layer(i):
+            kinds = [Kind.COMBINE_BWD, Kind.SHARED_DX, Kind.ROUTER_BWD, Kind.EXPERT_DX]
+            kinds += [Kind.DISPATCH_RE] if args.dispatch_recompute else []
+            kinds += [Kind.DISPATCH_BWD, Kind.ATTN_DX]
+            dw += [(k, i) for k in (Kind.SHARED_DW, Kind.EXPERT_DW, Kind.ATTN_DW)]
+        else:
+            kinds = [Kind.MLP_DX, Kind.ATTN_DX]
+            dw += [(k, i) for k in (Kind.MLP_DW, Kind.ATTN_DW)]
+        dx += [(k, i) for k in kinds]
+    dw.append((Kind.EMBED_DW, None))
+    return MicroBatchTasks(tuple(fwd), tuple(dx), tuple(dw))
+
+
+def run_tasks(model: MoEModel, mb: MicroBatch, tasks: tuple[tuple[Kind, int | None], ...],
+              ep_group: ProcessGroup | None = None) -> None:
+    """Run ``tasks`` of ``mb`` in the given order."""
+    for kind, layer in tasks:
+        model.run(kind, mb, layer, ep_group)
+
+
+def run_microbatch_in_order(model: MoEModel, mb: MicroBatch, ep_group: ProcessGroup | None = None) -> Tensor:
+    """Run every task of ``mb`` (forward, dX in reverse, then all dW); return its loss."""
+    tasks = microbatch_tasks(model.args)
+    run_tasks(model, mb, tasks.forward, ep_group)
+    run_tasks(model, mb, tasks.backward_dx, ep_group)
+    run_tasks(model, mb, tasks.wgrad, ep_group)
+    assert mb.loss is not None
+    return mb.loss
