@@ -328,7 +328,7 @@ def _validate(s: Schedule) -> list[_Err]:
         errs.append(_Err(f"ranks are {sorted(s.ranks)}; expected 0..{s.pp - 1}", 0, 0))
         return errs
     index: dict[Action, tuple[int, int]] = {}
-    home: dict[int, tuple[int, int, int]] = {}  # vstage -> first (rank, step) it was seen on
+    home: dict[int, tuple[int, int]] = {}  # vstage -> first (rank, step) it was seen on
     for r in range(s.pp):
         done: set[Action] = set()
         for i, slot in enumerate(s.ranks[r]):
@@ -347,10 +347,10 @@ def _validate(s: Schedule) -> list[_Err]:
                     continue
                 want = s.placement.rank_of(a.vstage)
                 if a.vstage in home and home[a.vstage][0] != r:
-                    hr, hi, _ = home[a.vstage]
+                    hr, hi = home[a.vstage]
                     errs.append(_Err(f"{a}: vstage {a.vstage} is on two ranks ({hr} at step {hi} and {r})", r, i))
                 else:
-                    home.setdefault(a.vstage, (r, i, 0))
+                    home.setdefault(a.vstage, (r, i))
                     if want != r:
                         errs.append(_Err(f"{a}: vstage {a.vstage} belongs to rank {want} by the "
                                          f"{s.placement.style} placement", r, i))
@@ -682,7 +682,8 @@ def _zb_h1(pp: int, vpp: int, M: int, extra: int) -> Schedule:
 def _greedy_zb(pp: int, M: int, limit: list[int]) -> dict[int, list[Slot]]:
     """List-schedule F, I, W on pp ranks (vpp 1) with unit nominal durations: each free rank
     runs, in priority order, a ready I (critical path), a ready F while fewer than ``limit[r]``
-    micro-batches hold activations (F .. W), else its oldest pending W; else it idles."""
+    micro-batches hold activations (F .. W), else its oldest pending W; else it idles. The order
+    is derived once with F = I = W = 1; simulate_uniform then times it under any costs."""
     done_at: dict[Action, int] = {}
     nf = [0] * pp
     ni = [0] * pp
