@@ -50,6 +50,7 @@ class _Entry:
     users: set[str]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    alias_key: tuple | None
 
 
 @dataclass(eq=False)
@@ -57,7 +58,9 @@ class SavedStore:
     """Named tensors a sub-op keeps between its forward and its backward tasks.
 
     Entries are reference-counted by user tag (``"graph"`` or a WGrad slot name); an entry is
-    dropped when its last user releases it. The same view saved twice gets one name.
+    dropped when its last user releases it. The same view saved twice gets one name (aliases are
+    matched on live entries only: an evicted, replaced or dropped entry's old address is forgotten,
+    so a new tensor reusing that memory is never mistaken for it).
     """
 
     prefix: str
@@ -70,7 +73,7 @@ class SavedStore:
         t = t.detach()
         key = _alias_key(t)
         existing = self._alias.get(key)
-        if existing is not None and existing in self._entries:
+        if existing is not None:
             self._entries[existing].users.add(user)
             return existing
         if name is None:
@@ -78,9 +81,14 @@ class SavedStore:
             self._count += 1
         elif name in self._entries:
             raise KeyError(f"saved tensor {name!r} already exists")
-        self._entries[name] = _Entry(t, {user}, tuple(t.shape), t.dtype)
+        self._entries[name] = _Entry(t, {user}, tuple(t.shape), t.dtype, key)
         self._alias[key] = name
         return name
+
+    def _forget_alias(self, entry: _Entry) -> None:
+        if entry.alias_key is not None:
+            self._alias.pop(entry.alias_key, None)
+            entry.alias_key = None
 
     def get(self, name: str) -> Tensor:
         """The tensor saved as ``name``; raises if it was evicted for recompute and not restored."""
@@ -96,6 +104,7 @@ class SavedStore:
             return
         entry.users.discard(user)
         if not entry.users:
+            self._forget_alias(entry)
             del self._entries[name]
 
     def release_user(self, user: str) -> None:
@@ -105,7 +114,9 @@ class SavedStore:
 
     def evict(self, name: str) -> None:
         """Drop the data of ``name`` but keep the entry; :meth:`restore` must refill it."""
-        self._entries[name].tensor = None
+        entry = self._entries[name]
+        self._forget_alias(entry)
+        entry.tensor = None
 
     def restore(self, name: str, t: Tensor) -> None:
         """Refill an entry emptied by :meth:`evict` (or replace it) with recomputed data."""
@@ -117,6 +128,7 @@ class SavedStore:
         if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:
             raise ValueError(f"replacement for {name!r} has shape {tuple(t.shape)} {t.dtype}, "
                              f"expected {entry.shape} {entry.dtype}")
+        self._forget_alias(entry)
         entry.tensor = t.detach()
 
     def saved_tensors(self) -> dict[str, Tensor]:
