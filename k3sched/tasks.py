@@ -4,7 +4,7 @@
 A task id names one task of one training step and is the join key between plan files, NVTX
 range names, recorded traces and validation reports. Grammar (EBNF)::
 
-    task_id  = stage "/" scope "/" op "." phase
+    task_id  = stage "/" scope "/" op "." phase [ ".b" INT ]     (".bN": bucket N of a collective)
     stage    = "s" INT                       PP rank (physical stage)
     scope    = "mb" INT "/" "L" INT          per micro-batch, per layer  (L: global layer index)
              | "mb" INT "/" "v" INT          per micro-batch, per virtual chunk (P2P, embed, head)
@@ -15,7 +15,7 @@ range names, recorded traces and validation reports. Grammar (EBNF)::
              | "roffload" | "ronload" | "rs" | "add" | "run"
 
 Examples: ``s0/mb3/L5/attn.fwd``, ``s1/mb0/L7/expert.dw``, ``s0/mb2/v0/act.send``,
-``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs``, ``s0/step/optim.run``.
+``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs.b0``, ``s0/step/optim.run``.
 ``parse_task_id(format_task_id(...))`` round-trips exactly (tested).
 """
 
@@ -117,7 +117,7 @@ P2P_KINDS = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_REC
 
 _ID_RE = re.compile(
     r"^s(?P<stage>\d+)/(?:(?:mb(?P<mb>\d+)/)?(?:L(?P<layer>\d+)|v(?P<chunk>\d+))|v(?P<vchunk>\d+)/L(?P<vlayer>\d+)"
-    r"|(?P<step>step))/(?P<kind>[a-z_]+\.[a-z]+)$"
+    r"|(?P<step>step))/(?P<kind>[a-z_]+\.[a-z]+)(?:\.b(?P<bucket>\d+))?$"
 )
 
 
@@ -130,13 +130,15 @@ class TaskKey:
     mb: int | None = None
     layer: int | None = None
     chunk: int | None = None
+    bucket: int | None = None
 
     def __str__(self) -> str:
-        return format_task_id(self.stage, self.kind, mb=self.mb, layer=self.layer, chunk=self.chunk)
+        return format_task_id(self.stage, self.kind, mb=self.mb, layer=self.layer, chunk=self.chunk,
+                              bucket=self.bucket)
 
 
 def format_task_id(stage: int, kind: Kind, *, mb: int | None = None, layer: int | None = None,
-                   chunk: int | None = None) -> str:
+                   chunk: int | None = None, bucket: int | None = None) -> str:
     """Render a task id (see [Note: task id grammar]). ``chunk`` is shown only where the scope
     has no layer (P2P, embed/head) or has no micro-batch (per-step per-layer tasks)."""
     if mb is not None and layer is not None:
@@ -150,7 +152,8 @@ def format_task_id(stage: int, kind: Kind, *, mb: int | None = None, layer: int 
     else:
         raise ValueError(f"task id needs (mb, layer), (mb, chunk), (chunk, layer) or none; got mb={mb} "
                          f"layer={layer} chunk={chunk}")
-    return f"s{stage}/{scope}/{Kind(kind).value}"
+    suffix = "" if bucket is None else f".b{bucket}"
+    return f"s{stage}/{scope}/{(kind if isinstance(kind, Kind) else Kind(kind)).value}{suffix}"
 
 
 def parse_task_id(task_id: str) -> TaskKey:
@@ -164,13 +167,15 @@ def parse_task_id(task_id: str) -> TaskKey:
         raise ValueError(f"unknown task kind {m['kind']!r} in task id {task_id!r}") from None
     g = m.groupdict()
     as_int = lambda v: None if v is None else int(v)  # noqa: E731
+    bucket = as_int(g["bucket"])
     if g["step"]:
-        return TaskKey(int(g["stage"]), kind)
+        return TaskKey(int(g["stage"]), kind, bucket=bucket)
     if g["vlayer"] is not None:
-        return TaskKey(int(g["stage"]), kind, layer=int(g["vlayer"]), chunk=int(g["vchunk"]))
+        return TaskKey(int(g["stage"]), kind, layer=int(g["vlayer"]), chunk=int(g["vchunk"]), bucket=bucket)
     if g["mb"] is None:
         raise ValueError(f"task id {task_id!r} lacks its micro-batch ('mbN/')")
-    return TaskKey(int(g["stage"]), kind, mb=as_int(g["mb"]), layer=as_int(g["layer"]), chunk=as_int(g["chunk"]))
+    return TaskKey(int(g["stage"]), kind, mb=as_int(g["mb"]), layer=as_int(g["layer"]), chunk=as_int(g["chunk"]),
+                   bucket=bucket)
 
 
 @dataclass

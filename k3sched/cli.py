@@ -1,0 +1,165 @@
+"""The ``k3sched`` command line: plan, compare, run, validate, calibrate.
+
+User errors (bad config, infeasible budget, unreadable trace) print one line and exit 2; no
+traceback. Heavy modules (torch, the runtime, the trace readers) are imported by the commands
+that need them, so ``k3sched plan`` starts fast and needs no torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="k3sched: plan, run and check a five-lane (compute, EP, collective, local and remote "
+                       "offload) co-schedule of one MoE training step.")
+console = Console(width=max(120, shutil.get_terminal_size((120, 24)).columns))
+err_console = Console(stderr=True)
+
+
+def fail(msg: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _load(config: Path, overrides: Optional[List[str]]):
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        fail(str(e))
+
+
+def _plan_or_fail(cfg, strategy: Optional[str] = None, schedule=None):
+    from .planner import InfeasibleBudget, plan
+    from .simulator import DeadlockError
+
+    try:
+        return plan(cfg, strategy, schedule)
+    except (InfeasibleBudget, ConfigError) as e:
+        fail(str(e))
+    except DeadlockError as e:
+        fail(f"schedule.pipeline: {e}")
+    except ValueError as e:  # schedule generators: unsupported shape
+        fail(f"schedule.pipeline: {e}")
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def summary_table(p, title: str | None = None) -> Table:
+    m = p.metrics
+    step, lb = m["step_time_us"], m["lower_bound_us"]
+    t = Table(title=title or f"{p.cfg.model.name}: strategy {p.strategy}, pipeline {p.pipeline}", title_justify="left")
+    for name in ("stage", "compute busy", "bubble", "exposed comm", "exposed EP ms", "peak device GiB",
+                 "host GiB", "peer GiB"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for s in range(p.cfg.parallel.pp):
+        b = m["bubble_ratio"][s]["compute"]
+        t.add_row(str(s), f"{(1 - b) * 100:.1f}%", f"{b * 100:.1f}%", f"{m['exposed_comm_ratio'][s] * 100:.1f}%",
+                  f"{m['exposed_comm_us'][s]['ep'] / 1e3:.2f}", _gib(m["peak_device_bytes"][s]),
+                  _gib(m["peak_host_bytes"][s]), _gib(m["peak_peer_bytes"][s]))
+    t.caption = (f"step {step / 1e3:.3f} ms | lower bound {lb / 1e3:.3f} ms (x{step / lb:.3f}) | "
+                 f"exposed EP {m['exposed_ep_ratio'] * 100:.2f}% of step | budget {_gib(m['budget_bytes'])} GiB | "
+                 f"offloaded sets {m['offloaded_sets']['local']} local + {m['offloaded_sets']['remote']} remote of "
+                 f"{m['offloaded_sets']['total']} | {m['num_tasks']} tasks")
+    return t
+
+
+def write_outputs(p, out: Path, png: bool = True) -> list[Path]:
+    import json
+
+    from . import render
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "plan.json", out / "plan.trace.json", out / "timeline.txt"]
+    paths[0].write_text(render.dumps_plan(p))
+    paths[1].write_text(json.dumps(render.perfetto_trace(p)))
+    paths[2].write_text(render.ascii_timeline(p, 160) + "\n")
+    if png:
+        paths.append(render.png_timeline(p, out / "timeline.png"))
+    return paths
+
+
+@app.command()
+def plan(
+    config: Path = typer.Argument(..., help="YAML config (sections model, parallel, hardware, schedule)."),
+    strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
+    out: Optional[Path] = typer.Option(None, help="Write plan.json, plan.trace.json (Perfetto), timeline.txt, "
+                                                  "timeline.png into this directory."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE (repeatable)."),
+    timeline: bool = typer.Option(False, help="Print the ASCII timeline."),
+    torch_csv: Optional[Path] = typer.Option(None, help="Also write the compute order as a torch.distributed."
+                                                        "pipelining action CSV."),
+    from_torch_csv: Optional[Path] = typer.Option(None, help="Plan with this torch pipelining CSV as backbone."),
+) -> None:
+    """Predict step time, bubbles, exposed communication and memory of one training step."""
+    cfg = _load(config, set_)
+    if strategy is not None and strategy not in ("k3", "serial"):
+        fail(f"--strategy: must be k3 or serial; got {strategy!r}")
+    if from_torch_csv is not None:
+        from . import schedules
+
+        try:
+            text = from_torch_csv.read_text()
+            sched = schedules.Schedule.from_torch_csv(
+                text, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.microbatches,
+                placement="v" if cfg.schedule.pipeline in ("zb-v", "dualpipev") else "loop")
+            schedules.check(sched)
+        except OSError as e:
+            fail(f"--from-torch-csv: cannot read {from_torch_csv}: {e.strerror}")
+        except ValueError as e:
+            fail(f"--from-torch-csv: {str(e).splitlines()[0]}")
+    else:
+        sched = None
+    p = _plan_or_fail(cfg, strategy, sched)
+    console.print(summary_table(p))
+    if timeline:
+        from .render import ascii_timeline
+
+        print(ascii_timeline(p, 120))
+    if out is not None:
+        for path in write_outputs(p, out):
+            console.print(f"wrote {path}", highlight=False)
+    if torch_csv is not None:
+        from . import schedules
+
+        torch_csv.parent.mkdir(parents=True, exist_ok=True)
+        from .planner import backbone
+
+        torch_csv.write_text((sched or backbone(cfg)).to_torch_csv())
+        console.print(f"wrote {torch_csv}", highlight=False)
+
+
+@app.command()
+def validate(
+    traces: List[Path] = typer.Argument(..., help="Recorded traces: runtime Chrome JSON, Kineto JSON(.gz), nsys "
+                                                   "SQLite."),
+    plan_path: Path = typer.Option(..., "--plan", help="plan.json the run followed."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON."),
+    tolerance_us: float = typer.Option(50.0, help="Dependency slack allowed, microseconds."),
+) -> None:
+    """Check recorded traces against a plan; exit 0 conforms, 1 does not, 2 unreadable input."""
+    from traces.cli import validate_main
+
+    raise typer.Exit(validate_main(str(plan_path), [str(t) for t in traces],
+                                   json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:  # pragma: no cover
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,349 @@
+"""Graph builder: a config (plus an offload choice) -> the task DAG of one training step.
+
+The step is built for every PP stage at once, because pipeline send/recv tasks tie stages
+together. Model chunks are *virtual stages* (vstages) numbered 0..pp*vpp-1 in model order; a
+placement maps each vstage to a (PP rank, local chunk). Each (vstage, micro-batch) expands into
+three *units* that the pipeline backbone orders: ``F`` (forward), ``I`` (input-gradient
+backward, the critical path) and ``W`` (weight gradients, deferrable). Every task records its
+unit so the planner can follow the backbone; ``topo`` is the creation order, a topological order.
+
+[Note: layer task graph]
+Forward of one MoE layer:   attn.fwd -> router.fwd -> dispatch.fwd (ep) -> expert.fwd -> combine.fwd (ep)
+                                              \\-> shared.fwd
+Backward (I):  up -> combine.bwd (ep) -> expert.dx -> dispatch.bwd (ep) -> router.bwd -> attn.dx
+                 \\-> shared.dx ------------------------------------------/
+               optional dispatch.re (ep) re-runs the dispatch before expert.dx (EP-DR)
+Backward (W):  attn.dw <- attn.dx, shared.dw <- shared.dx, expert.dw <- expert.dx
+A dense layer has mlp.fwd / mlp.dx / mlp.dw in place of the MoE ops. ``up`` is the input
+gradient from the layer above (attn.dx), the head (head.dx) or the next stage (grad.recv).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .config import Config
+from .cost import CostModel
+from .schedules import Placement
+from .tasks import LANE_OF, Kind, Mem, Task, format_task_id
+
+Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
+
+
+def placement_for(cfg: Config) -> Placement:
+    """V-shaped placement for ZB-V and DualPipeV, Megatron's loop placement otherwise."""
+    style = "v" if cfg.schedule.pipeline in ("zb-v", "dualpipev") else "loop"
+    return Placement(style, cfg.parallel.pp, cfg.parallel.vpp)
+
+
+def layers_by_vstage(n_layers: int, n_vstages: int) -> list[list[int]]:
+    """Contiguous, as even as possible; earlier vstages get the extra layer."""
+    base, extra = divmod(n_layers, n_vstages)
+    out, start = [], 0
+    for v in range(n_vstages):
+        n = base + (1 if v < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+@dataclass
+class OffloadChoice:
+    """Which (stage, mb, layer) activation sets leave the device, and where to.
+    ``remote[(stage, mb, layer)] = peer_stage`` for remote offload, else local host."""
+
+    local: set[tuple[int, int, int]] = field(default_factory=set)
+    remote: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    everything: bool = False  # every set offloaded locally (the planner's search graph)
+
+    def __contains__(self, key: tuple[int, int, int]) -> bool:
+        return self.everything or key in self.local or key in self.remote
+
+    def is_local(self, key: tuple[int, int, int]) -> bool:
+        return key in self.local or (self.everything and key not in self.remote)
+
+
+@dataclass
+class StepGraph:
+    cfg: Config
+    placement: Placement
+    tasks: dict[str, Task]
+    unit: dict[str, Unit]
+    topo: dict[str, int]
+    start_deps: dict[str, list[str]]
+    static_device: list[int]
+    static_host: list[int]
+    layers: list[list[int]]  # per vstage
+    offload_sets: dict[tuple[int, int, int], int]  # (stage, mb, layer) -> bytes offloadable
+
+
+class _Builder:
+    def __init__(self, cfg: Config, offload: OffloadChoice | None):
+        self.cfg = cfg
+        self.cost = CostModel(cfg)
+        self.pl = placement_for(cfg)
+        self.nv = self.pl.num_stages
+        located = [self.pl.locate(v) for v in range(self.nv)]
+        self._rank = [r for r, _ in located]
+        self._chunk = [c for _, c in located]
+        self.off = offload or OffloadChoice()
+        self.tasks: dict[str, Task] = {}
+        self.unit: dict[str, Unit] = {}
+        self.topo: dict[str, int] = {}
+        self.start_deps: dict[str, list[str]] = {}
+        self.layers = layers_by_vstage(cfg.model.layers, self.nv)
+        self.offload_sets: dict[tuple[int, int, int], int] = {}
+        self._saved = {k: self.cost.saved_bytes(k) for k in Kind}
+        self._grad_out = {k: self.cost.grad_out_bytes(k) for k in Kind}
+        self._dur: dict[Kind, float] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def dur(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
+        if kind in (Kind.GRAD_RS,) or nbytes:
+            return self.cost.duration_us(kind, layer=layer, nbytes=nbytes)
+        d = self._dur.get(kind)
+        if d is None:
+            d = self._dur[kind] = self.cost.duration_us(kind)
+        return d
+
+    def add(self, kind: Kind, v: int, unit: str, mb: int | None, *, layer: int | None = None, deps=(),
+            alloc: Mem | None = None, free: Mem | None = None, nbytes: int = 0, scope_chunk: bool = False,
+            duration: float | None = None, bucket: int | None = None, **extra) -> str:
+        stage, chunk = self._rank[v], self._chunk[v]
+        tid = format_task_id(stage, kind, mb=mb, layer=None if scope_chunk else layer,
+                             chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket)
+        t = Task(tid, kind, LANE_OF[kind], stage, chunk, mb, layer,
+                 duration_us=self.dur(kind, layer, nbytes) if duration is None else duration,
+                 deps=[d for d in deps if d], alloc=alloc or Mem(), free=free or Mem(), bytes=nbytes, **extra)
+        assert tid not in self.tasks, tid
+        self.tasks[tid] = t
+        self.unit[tid] = (v, unit, mb if mb is not None else -1)
+        self.topo[tid] = len(self.topo)
+        return tid
+
+    def fwd_alloc(self, kind: Kind) -> Mem:
+        w, x = self._saved[kind]
+        return Mem(device=w + x)
+
+    # -- expansion -----------------------------------------------------------------------------
+    def build(self) -> StepGraph:
+        cfg, pl = self.cfg, self.pl
+        M = cfg.parallel.microbatches
+        self.fwd_out: dict[tuple[int, int], list[str]] = {}
+        self.bwd_out: dict[tuple[int, int], str] = {}
+        self.send_f: dict[tuple[int, int], str] = {}
+        self.send_b: dict[tuple[int, int], str] = {}
+        self.layer_bwd_first: dict[tuple[int, int, int], str] = {}
+        self.wgrads: dict[tuple[int, int], list[str]] = {}  # (mb, layer) -> dW ids
+        for v in range(self.nv):
+            for m in range(M):
+                self.forward(v, m)
+        for v in reversed(range(self.nv)):
+            for m in range(M):
+                self.backward(v, m)
+        self.gradients()
+        static_dev, static_host = [], []
+        for s in range(cfg.parallel.pp):
+            vs = [v for v in range(self.nv) if self._rank[v] == s]
+            layers = [L for v in vs for L in self.layers[v]]
+            d, h = self.cost.static_bytes(layers, embed=0 in vs, head=self.nv - 1 in vs)
+            static_dev.append(d)
+            static_host.append(h)
+        return StepGraph(cfg, pl, self.tasks, self.unit, self.topo, self.start_deps, static_dev, static_host,
+                         self.layers, self.offload_sets)
+
+    def forward(self, v: int, m: int) -> None:
+        pl, model = self.pl, self.cfg.model
+        stage = self._rank[v]
+        if v == 0:
+            prev = [self.add(Kind.EMBED_FWD, v, "F", m, scope_chunk=True)]
+        elif self._rank[v - 1] != stage:
+            prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, m)]])]
+        else:
+            prev = self.fwd_out[(v - 1, m)]
+        for L in self.layers[v]:
+            a = self.add(Kind.ATTN_FWD, v, "F", m, layer=L, deps=prev, alloc=self.fwd_alloc(Kind.ATTN_FWD))
+            if model.is_moe(L):
+                r = self.add(Kind.ROUTER_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.ROUTER_FWD))
+                d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r], nbytes=self.cost.a2a_bytes(),
+                             alloc=self.fwd_alloc(Kind.DISPATCH_FWD), duration=self.dur(Kind.DISPATCH_FWD))
+                e = self.add(Kind.EXPERT_FWD, v, "F", m, layer=L, deps=[d], alloc=self.fwd_alloc(Kind.EXPERT_FWD))
+                sh = self.add(Kind.SHARED_FWD, v, "F", m, layer=L, deps=[r], alloc=self.fwd_alloc(Kind.SHARED_FWD))
+                c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e], nbytes=self.cost.a2a_bytes(),
+                             alloc=self.fwd_alloc(Kind.COMBINE_FWD), duration=self.dur(Kind.COMBINE_FWD))
+                prev = [c, sh]
+                kinds = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD,
+                         Kind.COMBINE_FWD)
+            else:
+                prev = [self.add(Kind.MLP_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.MLP_FWD))]
+                kinds = (Kind.ATTN_FWD, Kind.MLP_FWD)
+            key = (stage, m, L)
+            nbytes = sum(sum(self._saved[k]) for k in kinds)
+            self.offload_sets[key] = nbytes
+            if self.off.is_local(key):
+                self.add(Kind.ACT_OFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,
+                         alloc=Mem(host=nbytes), free=Mem(device=nbytes), buffer=f"s{stage}/mb{m}/L{L}/act")
+            elif key in self.off.remote:
+                peer = self.off.remote[key]
+                self.add(Kind.ACT_ROFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,
+                         alloc=Mem(peer=nbytes), free=Mem(device=nbytes), peer_stage=peer,
+                         buffer=f"s{stage}/mb{m}/L{L}/act")
+        if v == self.nv - 1:
+            prev = [self.add(Kind.HEAD_FWD, v, "F", m, scope_chunk=True, deps=prev,
+                             alloc=self.fwd_alloc(Kind.HEAD_FWD))]
+        elif self._rank[v + 1] != stage:
+            self.send_f[(v, m)] = self.add(Kind.FWD_SEND, v, "F", m, scope_chunk=True, deps=prev,
+                                           nbytes=self.cost.p2p_bytes(), duration=self.dur(Kind.FWD_SEND))
+        self.fwd_out[(v, m)] = prev
+
+    def _onload(self, v: int, m: int, L: int, trigger: str | None) -> str | None:
+        stage = self._rank[v]
+        key = (stage, m, L)
+        if key not in self.off:
+            return None
+        nbytes = self.offload_sets[key]
+        buf = f"s{stage}/mb{m}/L{L}/act"
+        if self.off.is_local(key):
+            off = format_task_id(stage, Kind.ACT_OFFLOAD, mb=m, layer=L)
+            t = self.add(Kind.ACT_ONLOAD, v, "I", m, layer=L, deps=[off], nbytes=nbytes,
+                         alloc=Mem(device=nbytes), free=Mem(host=nbytes), buffer=buf)
+        else:
+            off = format_task_id(stage, Kind.ACT_ROFFLOAD, mb=m, layer=L)
+            t = self.add(Kind.ACT_RONLOAD, v, "I", m, layer=L, deps=[off], nbytes=nbytes,
+                         alloc=Mem(device=nbytes), free=Mem(peer=nbytes), peer_stage=self.off.remote[key], buffer=buf)
+        if trigger:
+            self.start_deps[t] = [trigger]
+        return t
+
+    def backward(self, v: int, m: int) -> None:
+        pl, model, cost = self.pl, self.cfg.model, self.cost
+        sched = self.cfg.schedule
+        stage = self._rank[v]
+        sv, dx_alloc = self._saved, self._grad_out.__getitem__
+        wg = self.wgrads
+        if v == self.nv - 1:
+            head_fwd = self.fwd_out[(v, m)][0]
+            up = self.add(Kind.HEAD_DX, v, "I", m, scope_chunk=True, deps=[head_fwd],
+                          free=Mem(device=sv[Kind.HEAD_FWD][1]), alloc=Mem(device=dx_alloc(Kind.HEAD_DX)))
+            self.add(Kind.HEAD_DW, v, "W", m, scope_chunk=True, deps=[up],
+                     free=Mem(device=sv[Kind.HEAD_FWD][0] + dx_alloc(Kind.HEAD_DX)))
+        elif self._rank[v + 1] != stage:
+            up = self.add(Kind.BWD_RECV, v, "I", m, scope_chunk=True, deps=[self.send_b[(v + 1, m)]])
+        else:
+            up = self.bwd_out[(v + 1, m)]
+        layers = self.layers[v]
+        # Prefetch trigger: onload of layer L starts when the backward of layer L+2 starts; the
+        # top two layers of the chunk are released with the chunk's upstream gradient's producer.
+        first_bwd: dict[int, str] = {}
+        for i, L in enumerate(reversed(layers)):
+            trig_layer = layers[len(layers) - 1 - i + 2] if i >= 2 else None
+            trigger = first_bwd.get(trig_layer) if trig_layer is not None else up
+            onl = self._onload(v, m, L, trigger)
+            ups = [up, onl]
+            W = lambda k, deps, free: wg.setdefault((m, L), []).append(  # noqa: E731
+                self.add(k, v, "W", m, layer=L, deps=deps, free=Mem(device=free)))
+            if model.is_moe(L):
+                cb = self.add(Kind.COMBINE_BWD, v, "I", m, layer=L, deps=ups, nbytes=cost.a2a_bytes(),
+                              duration=self.dur(Kind.COMBINE_BWD))
+                first_bwd[L] = cb
+                sdx = self.add(Kind.SHARED_DX, v, "I", m, layer=L, deps=ups,
+                               free=Mem(device=sv[Kind.SHARED_FWD][1]), alloc=Mem(device=dx_alloc(Kind.SHARED_DX)))
+                edeps = [cb]
+                disp_bytes = sv[Kind.DISPATCH_FWD][0]
+                if sched.dispatch_recompute:
+                    disp_bytes = cost.T * model.top_k * model.hidden * cost.b
+                    edeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups, nbytes=cost.a2a_bytes(),
+                                          alloc=Mem(device=disp_bytes), duration=self.dur(Kind.DISPATCH_RE)))
+                edx = self.add(Kind.EXPERT_DX, v, "I", m, layer=L, deps=edeps,
+                               free=Mem(device=sv[Kind.EXPERT_FWD][1] + sv[Kind.COMBINE_FWD][1]),
+                               alloc=Mem(device=dx_alloc(Kind.EXPERT_DX)))
+                db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx], nbytes=cost.a2a_bytes(),
+                              duration=self.dur(Kind.DISPATCH_BWD))
+                rb = self.add(Kind.ROUTER_BWD, v, "I", m, layer=L, deps=[db, sdx], free=Mem(device=sum(sv[Kind.ROUTER_FWD])))
+                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb],
+                               free=Mem(device=sv[Kind.ATTN_FWD][1]), alloc=Mem(device=dx_alloc(Kind.ATTN_DX)))
+                W(Kind.EXPERT_DW, [edx], disp_bytes + dx_alloc(Kind.EXPERT_DX))
+                W(Kind.SHARED_DW, [sdx], dx_alloc(Kind.SHARED_DX))
+            else:
+                mdx = self.add(Kind.MLP_DX, v, "I", m, layer=L, deps=ups,
+                               free=Mem(device=sv[Kind.MLP_FWD][1]), alloc=Mem(device=dx_alloc(Kind.MLP_DX)))
+                first_bwd[L] = mdx
+                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[mdx],
+                               free=Mem(device=sv[Kind.ATTN_FWD][1]), alloc=Mem(device=dx_alloc(Kind.ATTN_DX)))
+                W(Kind.MLP_DW, [mdx], sv[Kind.MLP_FWD][0] + dx_alloc(Kind.MLP_DX))
+            W(Kind.ATTN_DW, [adx], sv[Kind.ATTN_FWD][0] + dx_alloc(Kind.ATTN_DX))
+            up = adx
+        if v == 0:
+            self.add(Kind.EMBED_DW, v, "W", m, scope_chunk=True, deps=[up])
+        elif self._rank[v - 1] != stage:
+            self.send_b[(v, m)] = self.add(Kind.BWD_SEND, v, "I", m, scope_chunk=True, deps=[up],
+                                           nbytes=cost.p2p_bytes(), duration=self.dur(Kind.BWD_SEND))
+        self.bwd_out[(v, m)] = up
+
+    def grad_rs(self, v: int, mb: int | None, layer: int, deps: list[str]) -> list[str]:
+        """DP reduce-scatter of one layer's gradient in buckets of ``schedule.grad_bucket_mb``
+        (as DDP buckets do), so a P2P transfer on the collective lane waits at most one bucket."""
+        total_us, nbytes = self.cost.grad_rs_us(layer)
+        nb = max(1, math.ceil(nbytes / (self.cfg.schedule.grad_bucket_mb * 2**20)))
+        hw = self.cfg.hardware
+        out = []
+        for b in range(nb):
+            out.append(self.add(Kind.GRAD_RS, v, "W", mb, layer=layer, deps=deps, nbytes=nbytes // nb, bucket=b,
+                                duration=hw.launch_us + total_us / nb))
+        return out
+
+    def gradients(self) -> None:
+        cfg, pl, cost = self.cfg, self.pl, self.cost
+        p = cfg.parallel
+        M = p.microbatches
+        reduce = p.ep * p.dp > 1
+        optim_deps: dict[int, list[str]] = {}
+        for v in range(self.nv):
+            stage = self._rank[v]
+            for L in self.layers[v]:
+                if cfg.schedule.grad_offload:
+                    # K3 Pipeline ZeRO-2: the gradient of a chunk accumulates in one of two device
+                    # buffers while consecutive backward slots use that chunk; it is flushed (DP
+                    # reduce-scatter, then onload-add-offload of the host fp32 shard) once per group
+                    # of `pp` micro-batches, the span over which interleaved 1F1B stays on a chunk.
+                    dense, expert = cost.layer_params(L)
+                    shard = 4 * (dense // (p.ep * p.dp) + expert // p.dp)
+                    group = max(1, p.pp)
+                    prev_off = None
+                    for g0 in range(0, M, group):
+                        mbs = range(g0, min(M, g0 + group))
+                        m = mbs[-1]
+                        deps = [w for mm in mbs for w in self.wgrads[(mm, L)]]
+                        if reduce:
+                            deps = self.grad_rs(v, m, L, deps)
+                        on = self.add(Kind.GSHARD_ONLOAD, v, "W", m, layer=L, nbytes=shard,
+                                      alloc=Mem(device=shard), deps=[prev_off])
+                        self.start_deps[on] = [self.wgrads[(m, L)][0]]
+                        add = self.add(Kind.GSHARD_ADD, v, "W", m, layer=L, deps=deps + [on], nbytes=shard)
+                        prev_off = last = self.add(Kind.GSHARD_OFFLOAD, v, "W", m, layer=L, deps=[add],
+                                                   nbytes=shard, free=Mem(device=shard))
+                    optim_deps.setdefault(stage, []).append(last)
+                elif reduce:
+                    deps = [w for m in range(M) for w in self.wgrads[(m, L)]]
+                    optim_deps.setdefault(stage, []).extend(self.grad_rs(v, None, L, deps))
+                else:
+                    optim_deps.setdefault(stage, []).extend(w for m in range(M) for w in self.wgrads[(m, L)])
+        for s in range(p.pp):
+            deps = optim_deps.get(s, [])
+            v = next(v for v in range(self.nv) if self._rank[v] == s)
+            if v == 0:
+                deps = deps + [format_task_id(0, Kind.EMBED_DW, mb=m, chunk=0) for m in range(M)]
+            last_v = self.nv - 1
+            if self._rank[last_v] == s:
+                deps = deps + [format_task_id(s, Kind.HEAD_DW, mb=m, chunk=self._chunk[last_v]) for m in range(M)]
+            tid = format_task_id(s, Kind.OPTIM)
+            self.tasks[tid] = Task(tid, Kind.OPTIM, LANE_OF[Kind.OPTIM], s, 0, None, None,
+                                   duration_us=self.dur(Kind.OPTIM), deps=deps)
+            self.unit[tid] = (self.nv, "W", 1 << 30)
+            self.topo[tid] = len(self.topo)
+
+
+def build_step(cfg: Config, offload: OffloadChoice | None = None) -> StepGraph:
+    """The task DAG of one training step over all PP stages (see [Note: layer task graph])."""
+    return _Builder(cfg, offload).build()

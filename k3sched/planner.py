@@ -1,0 +1,641 @@
+"""Planner: places every task of a step on the five lanes of its stage.
+
+Strategy ``k3`` is an event-driven list scheduler over (stage, lane) resources:
+
+* the pipeline backbone (one list of slots per PP rank, see :mod:`k3sched.schedules`) orders the
+  compute lane: tasks of slot k+1 become eligible once every non-WGrad compute task of slot k has
+  started; within a slot, ready tasks run in topological order (critical path first);
+* WGrad (dW) tasks are *fill* work: the compute lane runs one whenever nothing of the current
+  slot is ready (e.g. while an EP all-to-all is in flight), and must run one once it is
+  ``schedule.wgrad_lag`` slots overdue;
+* communication lanes (ep, collective) run ready tasks by backbone slot, so all-to-alls and P2P
+  overlap independent compute of the same stage;
+* offload runs as soon as the layer's last forward task ends; onload is released at layer
+  granularity just ahead of its backward use (graph ``start_deps``);
+* the device memory budget is met by offloading more activation sets (``schedule.offload``
+  ``auto``), chosen among those resident at the peak; when even full offload does not fit the
+  planner fails with the smallest feasible budget.
+
+Strategy ``serial`` runs one task at a time per stage (all five lanes share one resource) in the
+same backbone order, WGrad right after its dX: the no-overlap baseline.
+
+Ties break on (time, priority, topological index), so the same config gives the same plan.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import schedules
+from .config import GiB, Config
+from .graph import OffloadChoice, StepGraph, build_step
+from .simulator import DeadlockError, MemoryTimeline, memory_timeline
+from .tasks import LANES, Kind, Task, format_task_id
+
+LANE_INDEX = {lane: i for i, lane in enumerate(LANES)}
+
+
+class InfeasibleBudget(ValueError):
+    """The device memory budget cannot be met; the message gives the smallest feasible budget."""
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    graph: StepGraph
+    strategy: str
+    pipeline: str
+    lane_orders: dict[tuple[int, str], list[str]]
+    memory: dict[tuple[int, str], MemoryTimeline]
+    metrics: dict
+    backbone: dict[int, list]  # per rank: slots (for display and export)
+
+    @property
+    def tasks(self) -> dict[str, Task]:
+        return self.graph.tasks
+
+
+# -- backbone ---------------------------------------------------------------------------------
+def backbone(cfg: Config) -> "schedules.Schedule":
+    """The pipeline schedule named by ``schedule.pipeline`` for this config."""
+    p = cfg.parallel
+    extra = cfg.schedule.warmup_extra if cfg.schedule.pipeline == "interleaved-1f1b" else 0
+    return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
+
+
+def _slot_index(ranks: dict[int, list]) -> dict[tuple[int, str, int], int]:
+    """(vstage, unit, mb) -> position of its slot on its rank. 'B' covers I and W; a pair both."""
+    idx: dict[tuple[int, str, int], int] = {}
+    for _, slots in ranks.items():
+        for pos, slot in enumerate(slots):
+            if slot is None:
+                continue
+            acts = (slot.fwd, slot.bwd) if hasattr(slot, "fwd") else (slot,)
+            for a in acts:
+                units = ("I", "W") if a.op == "B" else (a.op,)
+                for u in units:
+                    idx[(a.vstage, u, a.mb)] = pos
+    return idx
+
+
+# -- list scheduler ---------------------------------------------------------------------------
+_P2P = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV})
+_BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
+
+
+@dataclass
+class _Prepared:
+    """Per-task arrays of a step graph, built once and reused by every scheduling attempt."""
+
+    ids: list[str]
+    succ: list[list[int]]
+    ssucc: list[list[int]]
+    ndeps: list[int]
+    nsdeps: list[int]
+    stage: list[int]
+    lane: list[int]
+    slot: list[int]
+    key_base: list[int]
+    wgrad: list[bool]
+    main: list[bool]
+    p2p: list[bool]
+    background: list[bool]
+    dur: list[float]
+
+
+_MAX_SLOT = 1 << 30
+
+
+def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
+    tasks = g.tasks
+    ids = list(tasks)  # creation order == topological order
+    index = {t: i for i, t in enumerate(ids)}
+    n = len(ids)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    ssucc: list[list[int]] = [[] for _ in range(n)]
+    ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur = ([] for _ in range(10))
+    for i, tid in enumerate(ids):
+        t = tasks[tid]
+        v, u, mb = g.unit[tid]
+        s = slots.get((v, u, mb))
+        if s is None:
+            s = _MAX_SLOT if (t.kind is Kind.OPTIM or mb < 0) else slots.get((v, "I", mb), _MAX_SLOT)
+        ln = LANE_INDEX[t.lane]
+        wg = t.is_wgrad
+        stage.append(t.stage)
+        lane.append(ln)
+        slot.append(s)
+        wgrad.append(wg)
+        main.append(ln == 0 and not wg and t.kind is not Kind.OPTIM)
+        p2p.append(t.kind in _P2P)
+        bg.append(t.kind in _BACKGROUND)
+        dur.append(t.duration_us)
+        for d in t.deps:
+            succ[index[d]].append(i)
+        ndeps.append(len(t.deps))
+        sd = g.start_deps.get(tid, ())
+        for d in sd:
+            ssucc[index[d]].append(i)
+        nsdeps.append(len(sd))
+    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, [], wgrad, main, p2p, bg, dur)
+
+
+def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
+                   skip: frozenset[int] = frozenset()) -> dict[tuple[int, str], list[str]]:
+    """Event-driven list scheduling (see module docstring). ``skip``: task indices left out (offload
+    tasks not chosen in this attempt); a dependency on a skipped task counts as met."""
+    tasks = g.tasks
+    ids = prep.ids
+    n = len(ids)
+    nlanes = len(LANES)
+    stage_of, slot, succ, ssucc, dur = prep.stage, prep.slot, prep.succ, prep.ssucc, prep.dur
+    is_main, is_p2p, is_bg = prep.main, prep.p2p, prep.background
+    res = [st if serial else st * nlanes + ln for st, ln in zip(stage_of, prep.lane)]
+    lag = 0 if serial else wgrad_lag
+    key = []
+    for i in range(n):
+        if is_bg[i] and not serial:
+            k = _MAX_SLOT  # background collectives yield to everything else on their lane
+        elif prep.wgrad[i]:
+            k = min(slot[i] + lag, _MAX_SLOT)
+        else:
+            k = slot[i]
+        key.append(k * (1 << 22) + i)
+    npending = [a + b for a, b in zip(prep.ndeps, prep.nsdeps)]
+    unstarted = list(prep.ndeps)  # deps not yet started (for the imminent-P2P rule)
+    for i in skip:
+        npending[i] = 1 << 40  # never becomes ready
+        for j in succ[i]:
+            npending[j] -= 1
+            unstarted[j] -= 1
+        for j in ssucc[i]:
+            npending[j] -= 1
+    nstages = g.cfg.parallel.pp
+    # Slot gate per rank: main tasks of slot s are eligible once all main tasks of slots before
+    # the first unfinished one (plus `lookahead` slots) have started.
+    remaining: list[dict[int, int]] = [defaultdict(int) for _ in range(nstages)]
+    for i in range(n):
+        if is_main[i] and i not in skip:
+            remaining[stage_of[i]][slot[i]] += 1
+    gate_slots = [sorted(r) for r in remaining]
+    gate_pos = [0] * nstages
+    held: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(nstages)]
+
+    def gate(st: int) -> int:
+        gs = gate_slots[st]
+        pos = gate_pos[st] + lookahead
+        return gs[pos] if pos < len(gs) else _MAX_SLOT
+
+    gates = [gate(st) for st in range(nstages)]
+    nres = max(res) + 1 if n else 0
+    ready: list[list[tuple[int, int]]] = [[] for _ in range(nres)]
+    imminent = [0] * nres  # P2P tasks whose deps have all started but are not yet running
+    busy = [False] * nres
+    orders: list[list[int]] = [[] for _ in range(nres)]
+    events: list[tuple[float, int, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    seq = 0
+    now = 0.0
+    started = 0
+    start_t = [0.0] * n
+    end_t = [0.0] * n
+
+    def make_ready(i: int) -> None:
+        st = stage_of[i]
+        if is_main[i] and slot[i] > gates[st]:
+            held[st][slot[i]].append(i)
+        else:
+            heappush(ready[res[i]], (key[i], i))
+
+    for i in range(n):
+        if i in skip:
+            continue
+        if is_p2p[i] and unstarted[i] == 0:
+            imminent[res[i]] += 1
+        if npending[i] == 0:
+            make_ready(i)
+    # Resources that may be able to start a task now, visited in resource order (a heap plus a flag).
+    pend_heap = list(range(nres))
+    flagged = [True] * nres
+
+    class _Pending:
+        @staticmethod
+        def add(r: int) -> None:
+            if not flagged[r]:
+                flagged[r] = True
+                heappush(pend_heap, r)
+
+    pending = _Pending()
+    total = n - len(skip)
+    while True:
+        while pend_heap:
+            r = heappop(pend_heap)
+            flagged[r] = False
+            q = ready[r]
+            if busy[r] or not q:
+                continue
+            i = q[0][1]
+            if is_bg[i] and imminent[r] and not serial:
+                continue  # a P2P transfer is about to become ready: keep the lane for it
+            heappop(q)
+            busy[r] = True
+            orders[r].append(i)
+            started += 1
+            heappush(events, (now + dur[i], seq, i))
+            seq += 1
+            start_t[i] = now
+            if is_p2p[i]:
+                imminent[r] -= 1
+            for j in succ[i]:
+                unstarted[j] -= 1
+                if unstarted[j] == 0 and is_p2p[j]:
+                    imminent[res[j]] += 1
+            for j in ssucc[i]:
+                npending[j] -= 1
+                if npending[j] == 0:
+                    make_ready(j)
+                    pending.add(res[j])
+            if is_main[i]:
+                st = stage_of[i]
+                rem = remaining[st]
+                rem[slot[i]] -= 1
+                gs = gate_slots[st]
+                while gate_pos[st] < len(gs) and rem[gs[gate_pos[st]]] == 0:
+                    gate_pos[st] += 1
+                    old, gates[st] = gates[st], gate(st)
+                    h = held[st]
+                    for s_ in [s_ for s_ in h if old < s_ <= gates[st]]:
+                        for j in h.pop(s_):
+                            heappush(ready[res[j]], (key[j], j))
+                            pending.add(res[j])
+        if not events:
+            break
+        now, _, i = heappop(events)
+        batch = [i]
+        while events and events[0][0] == now:
+            batch.append(heappop(events)[2])
+        for i in batch:
+            end_t[i] = now
+            busy[res[i]] = False
+            pending.add(res[i])
+            for j in succ[i]:
+                npending[j] -= 1
+                if npending[j] == 0:
+                    make_ready(j)
+                    pending.add(res[j])
+    if started != total:
+        stuck = [ids[i] for i in range(n) if i not in skip and not any(i in o for o in orders)][:6]
+        raise DeadlockError(f"plan deadlocks: {total - started} tasks never became ready, e.g. {', '.join(stuck)}")
+    for i in range(n):
+        t = tasks[ids[i]]
+        t.start_us = start_t[i]
+        t.end_us = end_t[i]
+    lane_orders: dict[tuple[int, str], list[str]] = {(s, lane): [] for s in range(nstages) for lane in LANES}
+    for r in range(nres):
+        for i in orders[r]:
+            t = tasks[ids[i]]
+            lane_orders[(t.stage, t.lane)].append(t.id)
+    return lane_orders
+
+
+# -- metrics ----------------------------------------------------------------------------------
+def _merge(iv: np.ndarray) -> np.ndarray:
+    """Union of [start, end) intervals (n x 2), sorted."""
+    if len(iv) == 0:
+        return iv.reshape(0, 2)
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(iv[:, 1])
+    new = np.empty(len(iv), dtype=bool)
+    new[0] = True
+    new[1:] = iv[1:, 0] > ends[:-1]
+    starts = iv[new, 0]
+    grp = np.cumsum(new) - 1
+    gend = np.zeros(int(grp[-1]) + 1)
+    np.maximum.at(gend, grp, ends)
+    return np.stack([starts, gend], axis=1)
+
+
+def _covered(a: np.ndarray, b: np.ndarray) -> float:
+    """Length of merged intervals a intersected with merged intervals b."""
+    if len(a) == 0 or len(b) == 0:
+        return 0.0
+    total = 0.0
+    j = 0
+    for s, e in a:
+        while j < len(b) and b[j, 1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k, 0] < e:
+            total += min(e, b[k, 1]) - max(s, b[k, 0])
+            k += 1
+    return total
+
+
+def path_bounds(g: StepGraph) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Critical path with unlimited lanes, and per task its earliest start (head) and the longest
+    chain that must follow its end (tail). Start deps count as zero-length start-to-start edges."""
+    tasks = g.tasks
+    head: dict[str, float] = {}
+    for tid, t in tasks.items():  # creation order is topological
+        s = 0.0
+        for d in t.deps:
+            e = head[d] + tasks[d].duration_us
+            if e > s:
+                s = e
+        for d in g.start_deps.get(tid, ()):
+            if head[d] > s:
+                s = head[d]
+        head[tid] = s
+    tail: dict[str, float] = dict.fromkeys(tasks, 0.0)
+    for tid in reversed(list(tasks)):
+        t = tasks[tid]
+        after = tail[tid] + t.duration_us  # chain from this task's start to the sink
+        for d in t.deps:
+            if after > tail[d]:
+                tail[d] = after
+    cp = max((head[t] + tasks[t].duration_us + tail[t] for t in tasks), default=0.0)
+    return cp, head, tail
+
+
+def lower_bound_us(g: StepGraph) -> tuple[float, float, float]:
+    """(bound, critical path, max lane busy). Per (stage, lane): no task of the lane can start
+    before the earliest head among them, the lane must then run all its work one task at a time,
+    and the chain after its last task (at least the smallest tail among them) follows."""
+    cp, head, tail = path_bounds(g)
+    acc: dict[tuple[int, str], list[float]] = {}
+    for tid, t in g.tasks.items():
+        a = acc.get((t.stage, t.lane))
+        if a is None:
+            acc[(t.stage, t.lane)] = [head[tid], t.duration_us, tail[tid]]
+        else:
+            a[0] = min(a[0], head[tid])
+            a[1] += t.duration_us
+            a[2] = min(a[2], tail[tid])
+    busy = max((a[1] for a in acc.values()), default=0.0)
+    bound = max([cp] + [a[0] + a[1] + a[2] for a in acc.values()])
+    return bound, cp, busy
+
+
+def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline]) -> dict:
+    pp = g.cfg.parallel.pp
+    tasks = list(g.tasks.values())
+    step = max((t.end_us for t in tasks), default=0.0)
+    busy = np.zeros((pp, len(LANES)))
+    iv: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for t in tasks:
+        busy[t.stage, LANE_INDEX[t.lane]] += t.duration_us
+        if t.duration_us > 0:
+            iv[(t.stage, t.lane)].append((t.start_us, t.end_us))
+    lb, cp, lb_lanes = lower_bound_us(g)
+    bubble, exposed, exposed_us = [], [], []
+    for s in range(pp):
+        bubble.append({lane: round(float(1.0 - busy[s, i] / step), 6) if step else 0.0
+                       for i, lane in enumerate(LANES)})
+        comp = _merge(np.array(iv[(s, "compute")], dtype=float).reshape(-1, 2))
+        per = {}
+        for lane in ("ep", "collective"):
+            m = _merge(np.array(iv[(s, lane)], dtype=float).reshape(-1, 2))
+            length = float((m[:, 1] - m[:, 0]).sum()) if len(m) else 0.0
+            per[lane] = round(float(length - _covered(m, comp)), 3)
+        both = _merge(np.array(iv[(s, "ep")] + iv[(s, "collective")], dtype=float).reshape(-1, 2))
+        comm_len = float((both[:, 1] - both[:, 0]).sum()) if len(both) else 0.0
+        exp = comm_len - _covered(both, comp)
+        exposed_us.append(per)
+        exposed.append(round(float(exp / step), 6) if step else 0.0)
+    peaks = {sp: [0] * pp for sp in ("device", "host", "peer")}
+    for (s, sp), tl in memory.items():
+        if sp in peaks:
+            peaks[sp][s] = int(tl.peak)
+    ep_exposed = sum(e["ep"] for e in exposed_us)
+    return {
+        "step_time_us": round(step, 3),
+        "lower_bound_us": round(lb, 3),
+        "critical_path_us": round(cp, 3),
+        "max_lane_busy_us": round(lb_lanes, 3),
+        "bubble_ratio": bubble,
+        "exposed_comm_ratio": exposed,
+        "exposed_comm_us": exposed_us,
+        "exposed_ep_ratio": round(ep_exposed / (pp * step), 6) if step else 0.0,
+        "peak_device_bytes": peaks["device"],
+        "peak_host_bytes": peaks["host"],
+        "peak_peer_bytes": peaks["peer"],
+        "num_tasks": len(tasks),
+    }
+
+
+def _device_memory(g: StepGraph, tasks: list[Task]) -> dict[tuple[int, str], MemoryTimeline]:
+    base = {(s, "device"): d for s, d in enumerate(g.static_device)}
+    base.update({(s, "host"): h for s, h in enumerate(g.static_host)})
+    return memory_timeline(tasks, base)
+
+
+def _device_peak_per_stage(mem: dict[tuple[int, str], MemoryTimeline], pp: int) -> list[int]:
+    """Device bytes including what a stage holds for its peers (remote offload)."""
+    out = []
+    for s in range(pp):
+        dev = mem.get((s, "device"))
+        peer = mem.get((s, "peer"))
+        if peer is None or not len(peer.times_us):
+            out.append(dev.peak if dev else 0)
+            continue
+        times = np.concatenate([dev.times_us, peer.times_us])
+        deltas_dev = np.concatenate([np.diff(np.concatenate([[dev.base], dev.bytes])), np.zeros(len(peer.times_us))])
+        deltas_peer = np.concatenate([np.zeros(len(dev.times_us)), np.diff(np.concatenate([[peer.base], peer.bytes]))])
+        order = np.argsort(times, kind="stable")
+        total = dev.base + np.cumsum((deltas_dev + deltas_peer)[order])
+        out.append(int(total.max()))
+    return out
+
+
+# -- offload selection ------------------------------------------------------------------------
+def _select_offload(g: StepGraph, mem: MemoryTimeline, stage: int, chosen: OffloadChoice, target: int
+                    ) -> list[tuple[int, int, int]]:
+    """Activation sets of ``stage`` to offload so that its device curve, minus each chosen set's
+    bytes over the span it is resident ([its attn.fwd end, its attn.dx start)), stays under
+    ``target``. Greedy at the running peak, taking the set needed latest (longest away)."""
+    if not len(mem.times_us):
+        return []
+    times = mem.times_us
+    curve = mem.bytes.astype(np.int64).copy()
+    spans = []
+    for (s, m, L), nbytes in g.offload_sets.items():
+        if s != stage or (s, m, L) in chosen or nbytes == 0:
+            continue
+        a = g.tasks[format_task_id(s, Kind.ATTN_FWD, mb=m, layer=L)].end_us
+        b = g.tasks[format_task_id(s, Kind.ATTN_DX, mb=m, layer=L)].start_us
+        spans.append((np.searchsorted(times, a, "left"), np.searchsorted(times, b, "left"), b, nbytes, (s, m, L)))
+    picked: list[tuple[int, int, int]] = []
+    used = [False] * len(spans)
+    while int(curve.max()) > target:
+        at = int(np.argmax(curve))
+        best = -1
+        for j, (lo, hi, b, _, _) in enumerate(spans):
+            if not used[j] and lo <= at < hi and (best < 0 or b > spans[best][2]):
+                best = j
+        if best < 0:
+            break
+        used[best] = True
+        lo, hi, _, nbytes, key = spans[best]
+        curve[lo:hi] -= nbytes
+        picked.append(key)
+    return picked
+
+
+def _remote_peer(cfg: Config, stage: int, peaks: list[int], budget: int) -> int | None:
+    """Kimi K3: offload an early stage's activations to a later stage with headroom."""
+    best = None
+    for peer in range(cfg.parallel.pp - 1, stage, -1):
+        head = budget - peaks[peer]
+        if head > 0 and (best is None or head > budget - peaks[best]):
+            best = peer
+    return best
+
+
+@dataclass
+class _Attempt:
+    graph: StepGraph
+    lane_orders: dict[tuple[int, str], list[str]]
+    memory: dict[tuple[int, str], MemoryTimeline]
+    peaks: list[int]
+
+
+class _Search:
+    """Runs scheduling attempts for growing offload choices. Without remote offload the graph is
+    built once with an offload/onload pair for every activation set, and pairs not chosen are
+    skipped; with remote offload each attempt rebuilds the graph (the lane of a set changes)."""
+
+    def __init__(self, cfg: Config, slots: dict, serial: bool):
+        self.cfg, self.slots, self.serial = cfg, slots, serial
+        self.fast = not cfg.schedule.remote_offload
+        offload = cfg.schedule.offload != "none"
+        first = build_step(cfg, OffloadChoice(everything=offload and self.fast))
+        self.all_sets = {k for k, b in first.offload_sets.items() if b} if offload else set()
+        if self.fast:
+            self.base = first
+            self.prep = _prepare(self.base, slots)
+            idx = {tid: i for i, tid in enumerate(self.prep.ids)}
+            self.pair = {k: (idx[format_task_id(k[0], Kind.ACT_OFFLOAD, mb=k[1], layer=k[2])],
+                             idx[format_task_id(k[0], Kind.ACT_ONLOAD, mb=k[1], layer=k[2])]) for k in self.all_sets}
+
+    def run(self, chosen: OffloadChoice) -> _Attempt:
+        s = self.cfg.schedule
+        la = 0 if self.serial else s.lookahead
+        if self.fast:
+            g, prep = self.base, self.prep
+            skip = frozenset(i for k, pr in self.pair.items() if k not in chosen.local for i in pr)
+        else:
+            g = build_step(self.cfg, chosen)
+            prep, skip = _prepare(g, self.slots), frozenset()
+        lane_orders = _list_schedule(g, prep, self.serial, s.wgrad_lag, la, skip)
+        keep = [g.tasks[prep.ids[i]] for i in range(len(prep.ids)) if i not in skip]
+        mem = _device_memory(g, keep)
+        self.skip = skip
+        return _Attempt(g, lane_orders, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp))
+
+    def finish(self, att: _Attempt) -> StepGraph:
+        """The attempt's graph with skipped offload pairs removed."""
+        if not self.fast or not self.skip:
+            return att.graph
+        g, prep = att.graph, self.prep
+        gone = {prep.ids[i] for i in self.skip}
+        for i in self.skip:
+            for j in prep.succ[i]:
+                t = g.tasks[prep.ids[j]]
+                t.deps = [d for d in t.deps if d not in gone]
+        for tid in gone:
+            del g.tasks[tid]
+            g.unit.pop(tid, None)
+            g.topo.pop(tid, None)
+            g.start_deps.pop(tid, None)
+        return g
+
+
+def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], best_peak: list[int],
+                        policy: str) -> str:
+    """One line: which stage misses the budget and the smallest budget that plans. The smallest
+    peak seen while searching is a candidate; it is confirmed by planning with it (a few rounds,
+    since the search takes another path under another budget)."""
+    budget = cfg.budget_bytes
+    s = max(range(len(peaks)), key=lambda i: peaks[i] - budget)
+    need = max(best_peak)
+    for _ in range(4):
+        cand_gib = math.ceil(need / GiB * 1000) / 1000  # the value printed is the value confirmed
+        cand = int(cand_gib * GiB)
+        trial = cfg.model_copy(deep=True)
+        trial.schedule.device_memory_budget = cand_gib
+        try:
+            _plan(trial, strategy, schedule, confirm=False)
+            break
+        except InfeasibleBudget as e:
+            need = max(cand + GiB // 1000, e.args[1] if len(e.args) > 1 else 0)
+    else:
+        cand = None
+    feasible = (f"the smallest feasible budget is {cand_gib:.3f} GiB" if cand is not None
+                else f"no budget up to {need / GiB:.3f} GiB plans")
+    return (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
+            f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; {feasible}")
+
+
+def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
+    """Plan one training step on the backbone ``schedule`` (default: ``schedule.pipeline``).
+    Raises InfeasibleBudget, DeadlockError or ConfigError."""
+    was_enabled = gc.isenabled()
+    gc.disable()  # tens of thousands of small objects, no cycles: the cyclic GC only costs time
+    try:
+        return _plan(cfg, strategy, schedule)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | None", confirm: bool = True) -> Plan:
+    strategy = strategy or cfg.schedule.strategy
+    if strategy not in ("k3", "serial"):
+        raise ValueError(f"strategy: must be k3 or serial; got {strategy!r}")
+    sched = schedule if schedule is not None else backbone(cfg)
+    ranks = sched.ranks
+    search = _Search(cfg, _slot_index(ranks), strategy == "serial")
+    budget = cfg.budget_bytes
+    policy = cfg.schedule.offload
+    pp = cfg.parallel.pp
+    chosen = OffloadChoice(local=set(search.all_sets) if policy == "all" else set())
+    best_peak: list[int] | None = None
+    for _ in range(64):
+        att = search.run(chosen)
+        peaks = list(att.peaks)
+        best_peak = peaks if best_peak is None else [min(a, b) for a, b in zip(best_peak, peaks)]
+        over = [s for s in range(pp) if peaks[s] > budget]
+        if not over or policy != "auto":
+            break
+        progressed = False
+        for s in over:
+            target = int(budget * 0.98)
+            for key in _select_offload(att.graph, att.memory[(s, "device")], s, chosen, target):
+                peer = _remote_peer(cfg, s, peaks, budget) if cfg.schedule.remote_offload else None
+                nbytes = att.graph.offload_sets[key]
+                if peer is not None and nbytes < budget - peaks[peer]:
+                    chosen.remote[key] = peer
+                    peaks[peer] += nbytes
+                else:
+                    chosen.local.add(key)
+                progressed = True
+        if not progressed:
+            break
+    over = [s for s in range(pp) if att.peaks[s] > budget]
+    if over:
+        if not confirm:
+            raise InfeasibleBudget("infeasible", max(best_peak))
+        raise InfeasibleBudget(_infeasible_message(cfg, strategy, schedule, att.peaks, best_peak, policy))
+    g = search.finish(att)
+    metrics = compute_metrics(g, att.memory)
+    metrics["peak_device_bytes"] = att.peaks
+    metrics["offloaded_sets"] = {"local": len(chosen.local), "remote": len(chosen.remote),
+                                 "total": len(search.all_sets)}
+    metrics["budget_bytes"] = budget
+    return Plan(cfg, g, strategy, sched.name, att.lane_orders, att.memory, metrics, ranks)
