@@ -628,6 +628,16 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
         if not progressed:
             break
     over = [s for s in range(pp) if att.peaks[s] > budget]
+    sc = cfg.schedule
+    if over and policy == "auto" and strategy == "k3" and (sc.lookahead or sc.wgrad_lag):
+        # Running ahead and deferring WGrad both hold memory: trade that overlap for memory.
+        lean = cfg.model_copy(update={"schedule": sc.model_copy(update={"lookahead": 0, "wgrad_lag": 0})})
+        try:
+            p = _plan(lean, strategy, schedule, confirm=False)
+            p.metrics["memory_lean"] = True
+            return p
+        except InfeasibleBudget:
+            pass
     if over:
         if not confirm:
             raise InfeasibleBudget("infeasible", max(best_peak))

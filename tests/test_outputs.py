@@ -1,0 +1,95 @@
+"""Plan outputs: golden plan.json, Perfetto trace, PNG, ASCII timeline, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from k3sched.planner import plan
+from k3sched.render import PLAN_FORMAT, ascii_timeline, dumps_plan, perfetto_trace, png_timeline
+from k3sched.tasks import LANES, parse_task_id
+
+from conftest import ROOT
+
+GOLDEN = ROOT / "tests" / "golden" / "tiny-cpu.plan.json"
+# Regenerate after an intended planner change:
+#   K3SCHED_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_outputs.py -k golden
+
+
+def test_golden_plan_json_for_tiny_cpu(tiny_cfg):
+    text = dumps_plan(plan(tiny_cfg))
+    if os.environ.get("K3SCHED_REGEN_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "plan changed: see the regenerate note at the top of this file"
+
+
+def test_plan_json_follows_the_contract(tiny_cfg):
+    doc = json.loads(dumps_plan(plan(tiny_cfg)))
+    assert doc["format"] == PLAN_FORMAT == "k3sched.plan/1"
+    assert doc["lanes"] == list(LANES)
+    assert set(doc["config"]) == {"model", "parallel", "hardware", "schedule"}
+    assert len(doc["stages"]) == tiny_cfg.parallel.pp
+    ids = set()
+    for st in doc["stages"]:
+        assert set(st["lanes"]) == set(LANES)
+        for lane, tasks in st["lanes"].items():
+            starts = [t["start_us"] for t in tasks]
+            assert starts == sorted(starts)
+            for t in tasks:
+                assert t["lane"] == lane and t["stage"] == st["stage"]
+                assert str(parse_task_id(t["id"])) == t["id"]
+                assert set(t["mem"]) == {"alloc", "free"}
+                ids.add(t["id"])
+    for st in doc["stages"]:
+        for tasks in st["lanes"].values():
+            assert all(d in ids for t in tasks for d in t["deps"])
+    m = doc["metrics"]
+    for key in ("step_time_us", "lower_bound_us", "bubble_ratio", "exposed_comm_ratio", "peak_device_bytes"):
+        assert key in m
+    assert m["lower_bound_us"] <= m["step_time_us"]
+
+
+def test_perfetto_trace_and_png_are_produced_and_parse(tiny_cfg, tmp_path):
+    p = plan(tiny_cfg)
+    tr = json.loads(json.dumps(perfetto_trace(p)))
+    ev = tr["traceEvents"]
+    xs = [e for e in ev if e["ph"] == "X"]
+    assert len(xs) == len(p.tasks)
+    assert {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"} == set(LANES)
+    flows = [e for e in ev if e["ph"] in ("s", "f")]
+    assert flows and len(flows) % 2 == 0
+    assert any(e["ph"] == "C" for e in ev)
+    png = png_timeline(p, tmp_path / "t.png")
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(png)
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200
+
+
+def test_ascii_timeline_rows(tiny_cfg):
+    p = plan(tiny_cfg)
+    text = ascii_timeline(p, 80)
+    rows = [line for line in text.splitlines() if line.startswith("s")]
+    assert any(r.startswith("s0  compute") for r in rows)
+    assert all(len(r.split("|")[1]) == 80 for r in rows)
+
+
+def test_cli_plan_writes_outputs(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", "configs/tiny-cpu.yaml", "--out", str(tmp_path),
+                        "--timeline"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "lower bound" in r.stdout and "s0  compute" in r.stdout
+    for name in ("plan.json", "plan.trace.json", "timeline.txt", "timeline.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "plan.json").read_text())["format"] == "k3sched.plan/1"
+
+
+@pytest.mark.parametrize("sub", ["plan", "validate"])
+def test_help_explains_itself(sub):
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", sub, "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "Usage" in r.stdout

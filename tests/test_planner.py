@@ -1,0 +1,197 @@
+"""Planner and simulator: properties over random small configs, exposure, budgets, determinism."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3sched.config import GiB, config_from_dict, load_config
+from k3sched.planner import InfeasibleBudget, plan
+from k3sched.render import dumps_plan
+from k3sched.simulator import DeadlockError, simulate
+from k3sched.tasks import LANES, Kind, Mem, Task
+
+from conftest import CONFIGS
+
+EPS = 1e-6
+
+
+def check_plan_invariants(p, serial: bool) -> None:
+    tasks = p.tasks
+    # every task in exactly one lane order, on its own lane and stage
+    seen = [tid for order in p.lane_orders.values() for tid in order]
+    assert sorted(seen) == sorted(tasks)
+    for (s, lane), order in p.lane_orders.items():
+        assert all(tasks[t].stage == s and tasks[t].lane == lane for t in order)
+        # one task at a time per lane, in the lane's order
+        for a, b in zip(order, order[1:]):
+            assert tasks[b].start_us >= tasks[a].end_us - EPS, (a, b)
+    if serial:  # one task at a time per stage, across all lanes
+        by_stage = defaultdict(list)
+        for t in tasks.values():
+            by_stage[t.stage].append(t)
+        for ts in by_stage.values():
+            ts.sort(key=lambda t: (t.start_us, t.end_us))
+            for a, b in zip(ts, ts[1:]):
+                assert b.start_us >= a.end_us - EPS, (a.id, b.id)
+    for t in tasks.values():
+        assert abs(t.end_us - t.start_us - t.duration_us) < 1e-3
+        for d in t.deps:
+            assert t.start_us >= tasks[d].end_us - EPS, (d, t.id)
+        for d in p.graph.start_deps.get(t.id, ()):
+            assert t.start_us >= tasks[d].start_us - EPS, (d, t.id)
+    # device memory (what a stage holds for itself and for its peers) within the budget
+    assert max(p.metrics["peak_device_bytes"]) <= p.cfg.budget_bytes
+    assert p.metrics["lower_bound_us"] <= p.metrics["step_time_us"] + 1e-3
+    # the simulator, evaluating the planner's lane orders, never needs longer than the plan
+    fresh = {tid: Task(t.id, t.kind, t.lane, t.stage, t.chunk, t.mb, t.layer, t.duration_us, list(t.deps))
+             for tid, t in tasks.items()}
+    step = simulate(fresh, p.lane_orders)
+    assert step <= p.metrics["step_time_us"] + 1e-3  # metrics are rounded to ns
+
+
+PIPELINES_V1 = ["gpipe", "1f1b", "zb-h1", "zb-h2"]
+
+
+@st.composite
+def small_configs(draw):
+    base = load_config(CONFIGS / "tiny-cpu.yaml").to_dict()
+    pp = draw(st.integers(1, 3))
+    pipeline = draw(st.sampled_from(PIPELINES_V1 + ["interleaved-1f1b", "zb-v", "dualpipev"]))
+    vpp = 2 if pipeline in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
+    m = draw(st.integers(1, 4))
+    if pipeline == "interleaved-1f1b":
+        m = pp * draw(st.integers(1, 2))
+    if pipeline == "dualpipev":
+        m = max(m, 2 * pp)
+    base["parallel"].update(pp=pp, vpp=vpp, ep=draw(st.sampled_from([1, 2])), dp=draw(st.sampled_from([1, 2])),
+                            microbatches=m)
+    base["model"].update(layers=pp * vpp * draw(st.integers(1, 2)), dense_layers=draw(st.integers(0, 1)))
+    base["schedule"].update(pipeline=pipeline, offload=draw(st.sampled_from(["none", "auto", "all"])),
+                            dispatch_recompute=draw(st.booleans()), grad_offload=draw(st.booleans()),
+                            remote_offload=draw(st.booleans()), lookahead=draw(st.integers(0, 2)),
+                            wgrad_lag=draw(st.integers(0, 3)))
+    base["hardware"]["device_memory_gb"] = 4.0
+    frac = draw(st.sampled_from([None, 0.5, 0.8]))
+    return config_from_dict(base), frac
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_configs(), st.sampled_from(["k3", "serial"]))
+def test_plan_properties_on_random_small_configs(cfg_frac, strategy):
+    cfg, frac = cfg_frac
+    if frac is not None:  # a budget below the no-offload peak: offload must make it fit, or fail cleanly
+        free = plan(cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"offload": "none"})}), strategy)
+        cfg.schedule.device_memory_budget = max(free.metrics["peak_device_bytes"]) * frac / GiB
+    try:
+        p = plan(cfg, strategy)
+    except InfeasibleBudget as e:
+        assert cfg.schedule.offload != "all" or frac is not None
+        assert "smallest feasible budget" in str(e) or "no budget" in str(e)
+        return
+    check_plan_invariants(p, strategy == "serial")
+    assert dumps_plan(p) == dumps_plan(plan(cfg, strategy))  # same config in, byte-identical plan out
+
+
+def test_same_config_gives_byte_identical_plan(tiny_cfg):
+    assert dumps_plan(plan(tiny_cfg)) == dumps_plan(plan(tiny_cfg))
+
+
+def ep_bound_config(**sched):
+    """EP all-to-all shorter than the independent compute around it (fast EP link)."""
+    return load_config(CONFIGS / "tiny-cpu.yaml", ["parallel.pp=2", "parallel.microbatches=8",
+                                                   "hardware.nvlink_gbps=8", "schedule.offload=none",
+                                                   *[f"schedule.{k}={v}" for k, v in sched.items()]])
+
+
+def test_k3_hides_ep_communication_that_serial_exposes():
+    cfg = ep_bound_config()
+    k3, serial = plan(cfg, "k3"), plan(cfg, "serial")
+    ep_total = [sum(t.duration_us for t in serial.tasks.values() if t.stage == s and t.lane == "ep")
+                for s in range(cfg.parallel.pp)]
+    ep_compute = sum(t.duration_us for t in k3.tasks.values() if t.lane == "compute")
+    assert sum(ep_total) < ep_compute
+    assert k3.metrics["exposed_ep_ratio"] < 0.05, k3.metrics["exposed_ep_ratio"]
+    for s in range(cfg.parallel.pp):
+        assert serial.metrics["exposed_comm_us"][s]["ep"] == pytest.approx(ep_total[s], rel=1e-6)
+    assert k3.metrics["step_time_us"] < serial.metrics["step_time_us"]
+
+
+def test_wgrad_fills_compute_idle_and_dx_precedes_dw():
+    p = plan(ep_bound_config())
+    t = p.tasks
+    for tid, task in t.items():
+        if task.kind in (Kind.ATTN_DW, Kind.EXPERT_DW, Kind.SHARED_DW, Kind.MLP_DW):
+            dx = tid.replace(".dw", ".dx")
+            assert task.start_us >= t[dx].end_us
+    # some WGrad ran later than right after its dX: it was deferred to fill idle compute
+    deferred = [task for tid, task in t.items() if task.kind is Kind.EXPERT_DW
+                and task.start_us > t[tid.replace(".dw", ".dx")].end_us + 1e-6]
+    assert deferred
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one(tiny_cfg):
+    tiny_cfg.schedule.device_memory_budget = 0.001
+    with pytest.raises(InfeasibleBudget) as e:
+        plan(tiny_cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "smallest feasible budget is" in msg
+    smallest = float(msg.split("smallest feasible budget is ")[1].split()[0])
+    tiny_cfg.schedule.device_memory_budget = smallest
+    p = plan(tiny_cfg)  # the budget named is one that plans
+    assert max(p.metrics["peak_device_bytes"]) <= p.cfg.budget_bytes
+
+
+def test_budget_below_no_offload_peak_offloads_and_fits(tiny_cfg):
+    free = plan(tiny_cfg.model_copy(update={"schedule": tiny_cfg.schedule.model_copy(update={"offload": "none"})}))
+    peak = max(free.metrics["peak_device_bytes"])
+    tiny_cfg.schedule.device_memory_budget = 0.8 * peak / GiB
+    p = plan(tiny_cfg)
+    assert p.metrics["offloaded_sets"]["local"] > 0
+    assert max(p.metrics["peak_device_bytes"]) <= 0.8 * peak + 1
+    kinds = {t.kind for t in p.tasks.values()}
+    assert {Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD} <= kinds
+    check_plan_invariants(p, serial=False)
+    for t in p.tasks.values():  # onload only after its offload, consumers only after onload
+        if t.kind is Kind.ACT_ONLOAD:
+            off = t.id.replace("act.onload", "act.offload")
+            assert t.start_us >= p.tasks[off].end_us
+
+
+def test_simulator_computes_starts_and_detects_deadlock():
+    def T(tid, lane, dur, deps=()):
+        return Task(tid, Kind.ATTN_FWD, lane, 0, 0, 0, 0, dur, list(deps))
+
+    tasks = {"a": T("a", "compute", 2), "b": T("b", "ep", 3, ["a"]), "c": T("c", "compute", 1),
+             "d": T("d", "compute", 1, ["b"])}
+    step = simulate(tasks, {(0, "compute"): ["a", "c", "d"], (0, "ep"): ["b"]})
+    assert (tasks["c"].start_us, tasks["b"].start_us, tasks["d"].start_us, step) == (2, 2, 5, 6)
+    with pytest.raises(DeadlockError, match="deadlocks"):
+        simulate(tasks, {(0, "compute"): ["d", "a", "c"], (0, "ep"): ["b"]})
+    with pytest.raises(ValueError, match="in no lane order"):
+        simulate(tasks, {(0, "compute"): ["a", "c", "d"]})
+
+
+def test_memory_timeline_frees_before_allocs_at_the_same_instant():
+    from k3sched.simulator import memory_timeline
+
+    a = Task("a", Kind.ATTN_FWD, "compute", 0, 0, 0, 0, 1, [], alloc=Mem(device=10), free=Mem(device=10))
+    b = Task("b", Kind.ATTN_FWD, "compute", 0, 0, 0, 0, 1, [], alloc=Mem(device=7))
+    a.start_us, a.end_us, b.start_us, b.end_us = 0, 1, 1, 2
+    tl = memory_timeline([a, b], {(0, "device"): 100})[(0, "device")]
+    assert tl.peak == 110
+
+
+def test_plan_metrics_for_k2_like_full_step():
+    cfg = load_config(CONFIGS / "k2-like.yaml")
+    p = plan(cfg)
+    m = p.metrics
+    assert cfg.parallel.microbatches >= 32 and len(m["peak_device_bytes"]) == 16
+    assert m["lower_bound_us"] <= m["step_time_us"]
+    assert max(m["peak_device_bytes"]) <= cfg.budget_bytes
+    assert m["step_time_us"] < plan(cfg, "serial").metrics["step_time_us"]
+    json.loads(dumps_plan(p))
