@@ -5,7 +5,7 @@ $(VENV): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
 run: $(VENV)
-	.venv/bin/k3sched run configs/tiny-cpu.yaml --out out/tiny-cpu
+	.venv/bin/k3sched plan configs/tiny-cpu.yaml --out out/tiny-cpu --timeline
 
 test: $(VENV)
 	.venv/bin/python -m pytest -q

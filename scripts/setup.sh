@@ -8,11 +8,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  "${VPIP[@]}" install "${K3SCHED_TORCH:-torch==2.13.0}"
+  quiet "${VPIP[@]}" install "${K3SCHED_TORCH:-torch==2.13.0}"
 fi
 # deepspeed ships as an sdist whose build imports torch: build it against the venv's torch.
-"${VPIP[@]}" install --no-build-isolation -e ".[dev]"
+quiet "${VPIP[@]}" install --no-build-isolation -e ".[dev]"
 # Nsight Systems (Debian non-free, 2022.4) records NVTX ranges of CPU runs; optional.
 if [ "${K3SCHED_NSYS:-1}" = 1 ] && ! command -v nsys >/dev/null 2>&1; then
   bash scripts/install_nsys.sh || echo "setup: nsight-systems not installed; nsys tests will skip" >&2
