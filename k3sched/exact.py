@@ -1,0 +1,252 @@
+"""Exact lane placement for small instances (OR-Tools CP-SAT): how far is the heuristic from optimal?
+
+The model takes the same task DAG the list scheduler places (``graph.build_step(cfg)``, without
+activation offload tasks) and asks for the shortest step under the lane rules only:
+
+* one fixed-size interval per task; integer durations are the task's µs scaled by
+  ``scale`` (default 100: 10 ns resolution) and rounded *up*;
+* NoOverlap per (stage, lane) resource (a lane runs one task at a time);
+* ``end(dep) <= start(task)`` for every dependency; ``graph.start_deps`` are start-to-start
+  (``start(trigger) <= start(task)``);
+* minimise the makespan, bounded above by the heuristic's makespan (its lane orders re-timed with
+  the rounded durations, which is a feasible solution given to CP-SAT as a hint).
+
+[Note: exact model scope]
+The exact model is free of the pipeline backbone: the heuristic follows a backbone order
+(gpipe, 1f1b, zb-h1, ...) on the compute lane, the exact model may interleave forwards, dX and dW
+in any order the DAG allows. The gap therefore measures the heuristic (and its backbone) against
+the true optimum of the DAG under lane constraints. *Memory is not modeled*: no device budget,
+no activation lifetimes, so the optimum may hold every micro-batch's activations at once (a
+GPipe-like order with every dW deferred). It is a bound on what any schedule of this DAG can
+reach, not a memory-feasible plan.
+
+[Note: rounding]
+Let D be the real durations and D' = ceil(D * scale) / scale. Starts that are feasible under D'
+stay feasible under D, so ``makespan_us`` (the found starts re-evaluated with the real durations)
+is achievable. Conversely an optimal schedule under D becomes feasible under D' by shifting every
+task by the sum of the rounding increments of the tasks started before it, so
+OPT(D) >= OPT(D') - sum(D' - D): ``bound_us`` is the CP-SAT bound minus that sum, a valid lower
+bound on the real optimum. With n tasks the two differ by at most n / scale µs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from .config import Config
+from .graph import StepGraph, build_step
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .planner import Plan
+
+MAX_TASKS = 3000
+_STATUS = {0: "UNKNOWN", 1: "MODEL_INVALID", 2: "FEASIBLE", 3: "INFEASIBLE", 4: "OPTIMAL"}
+
+
+@dataclass
+class ExactResult:
+    """Outcome of one CP-SAT solve.
+
+    ``status``: OPTIMAL (``makespan_us`` is the optimum up to the rounding of [Note: rounding]),
+    FEASIBLE (time limit hit; ``bound_us`` is the best proven lower bound), UNKNOWN (no solution
+    within the time limit and no hint). ``starts``: task id -> start (µs) of the best schedule found.
+    """
+
+    status: str
+    makespan_us: float
+    bound_us: float
+    wall_s: float
+    starts: dict[str, float] = field(default_factory=dict)
+    num_tasks: int = 0
+    hint_makespan_us: float | None = None
+    rounding_us: float = 0.0  # sum of rounding increments (D' - D), see [Note: rounding]
+
+    @property
+    def optimal(self) -> bool:
+        return self.status == "OPTIMAL"
+
+
+def _exact_config(cfg: Config) -> Config:
+    """The config the exact model is built from: no activation offload, memory unconstrained."""
+    c = cfg.model_copy(deep=True)
+    c.schedule.offload = "none"
+    c.schedule.remote_offload = False
+    return c
+
+
+def _int_durations(g: StepGraph, scale: int) -> dict[str, int]:
+    return {tid: int(math.ceil(t.duration_us * scale - 1e-9)) for tid, t in g.tasks.items()}
+
+
+def _retime(g: StepGraph, dur: dict[str, int], plan: "Plan") -> dict[str, int] | None:
+    """Integer starts of ``plan``'s lane orders under durations ``dur`` (a feasible schedule of the
+    exact model), or None when the plan does not cover the graph's tasks. Tasks the graph lacks
+    (offload/onload) are dropped from the orders: the remaining order stays acyclic."""
+    tasks = g.tasks
+    prev: dict[str, str] = {}
+    covered = 0
+    for order in plan.lane_orders.values():
+        last = None
+        for tid in order:
+            if tid not in tasks:
+                continue
+            covered += 1
+            if last is not None:
+                prev[tid] = last
+            last = tid
+    if covered != len(tasks):
+        return None
+    # Kahn over dependency + start-dep + lane-order edges.
+    succ: dict[str, list[str]] = {t: [] for t in tasks}
+    indeg = dict.fromkeys(tasks, 0)
+    for tid, t in tasks.items():
+        for d in list(t.deps) + list(g.start_deps.get(tid, ())):
+            succ[d].append(tid)
+            indeg[tid] += 1
+        if tid in prev:
+            succ[prev[tid]].append(tid)
+            indeg[tid] += 1
+    start = dict.fromkeys(tasks, 0)
+    stack = [t for t, k in indeg.items() if k == 0]
+    seen = 0
+    while stack:
+        tid = stack.pop()
+        seen += 1
+        t = tasks[tid]
+        s = 0
+        for d in t.deps:
+            s = max(s, start[d] + dur[d])
+        for d in g.start_deps.get(tid, ()):
+            s = max(s, start[d])
+        if tid in prev:
+            s = max(s, start[prev[tid]] + dur[prev[tid]])
+        start[tid] = s
+        for j in succ[tid]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                stack.append(j)
+    return start if seen == len(tasks) else None
+
+
+def _heads_tails(g: StepGraph, dur: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Earliest start (precedence only) and the longest chain after each task's end."""
+    tasks = g.tasks
+    head: dict[str, int] = {}
+    for tid, t in tasks.items():  # creation order is topological
+        s = max((head[d] + dur[d] for d in t.deps), default=0)
+        for d in g.start_deps.get(tid, ()):
+            s = max(s, head[d])
+        head[tid] = s
+    tail = dict.fromkeys(tasks, 0)
+    for tid in reversed(list(tasks)):
+        after = tail[tid] + dur[tid]
+        for d in tasks[tid].deps:
+            if after > tail[d]:
+                tail[d] = after
+    return head, tail
+
+
+def solve_exact(cfg: Config, *, time_limit_s: float = 10.0, hint_plan: "Plan | Sequence[Plan] | None" = None,
+                scale: int = 100, workers: int = 2, seed: int = 0) -> ExactResult:
+    """Minimise the step time of ``cfg``'s task DAG under the lane rules (see module docstring).
+
+    ``hint_plan``: a heuristic plan of the same config (or several, e.g. one per backbone: the one
+    whose lane orders re-time shortest is used); its lane orders give CP-SAT a feasible starting
+    solution and an upper bound on the makespan. Raises ValueError for more than ``MAX_TASKS`` tasks.
+    """
+    from ortools.sat.python import cp_model
+
+    t0 = time.perf_counter()
+    g = build_step(_exact_config(cfg))
+    n = len(g.tasks)
+    if n > MAX_TASKS:
+        raise ValueError(f"exact solve: {n} tasks exceed the limit of {MAX_TASKS} (use pp <= 4, microbatches <= 8, "
+                         f"1-2 layers per stage)")
+    tasks = g.tasks
+    dur = _int_durations(g, scale)
+    rounding_us = sum(dur[t] / scale - tasks[t].duration_us for t in tasks)
+    hints = [hint_plan] if hint_plan is not None and not isinstance(hint_plan, Sequence) else list(hint_plan or [])
+    hint = None
+    for hp in hints:
+        h = _retime(g, dur, hp)
+        if h is not None and (hint is None or max(h[t] + dur[t] for t in tasks) < max(hint[t] + dur[t] for t in tasks)):
+            hint = h
+    head, tail = _heads_tails(g, dur)
+    cp_len = max(head[t] + dur[t] + tail[t] for t in tasks)
+    # upper bound: the hint's makespan, else every task one after another
+    horizon = max(hint[t] + dur[t] for t in tasks) if hint is not None else sum(dur.values())
+    m = cp_model.CpModel()
+    start: dict[str, cp_model.IntVar] = {}
+    by_res: dict[tuple[int, str], list] = {}
+    for tid, t in tasks.items():
+        hi = horizon - tail[tid] - dur[tid]
+        s = m.new_int_var(head[tid], max(head[tid], hi), f"s:{tid}")
+        start[tid] = s
+        by_res.setdefault((t.stage, t.lane), []).append(m.new_fixed_size_interval_var(s, dur[tid], f"i:{tid}"))
+    has_succ: set[str] = set()
+    for tid, t in tasks.items():
+        for d in t.deps:
+            m.add(start[d] + dur[d] <= start[tid])
+            has_succ.add(d)
+        for d in g.start_deps.get(tid, ()):
+            m.add(start[d] <= start[tid])
+    for ivs in by_res.values():
+        if len(ivs) > 1:
+            m.add_no_overlap(ivs)
+    makespan = m.new_int_var(cp_len, horizon, "makespan")
+    for tid in tasks:
+        if tid not in has_succ:
+            m.add(start[tid] + dur[tid] <= makespan)
+    m.minimize(makespan)
+    if hint is not None:
+        for tid, s in hint.items():
+            m.add_hint(start[tid], s)
+        m.add_hint(makespan, horizon)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_search_workers = workers
+    solver.parameters.random_seed = seed
+    code = solver.solve(m)
+    status = _STATUS.get(int(code), str(code))
+    if status in ("OPTIMAL", "FEASIBLE"):
+        starts_i = {tid: solver.value(v) for tid, v in start.items()}
+        bound_i = solver.best_objective_bound
+    elif hint is not None:  # no better solution found in time: the hint is still a schedule
+        status, starts_i, bound_i = "FEASIBLE", hint, float(cp_len)
+    else:
+        starts_i, bound_i = {}, float(cp_len)
+    starts = {tid: s / scale for tid, s in starts_i.items()}
+    makespan_us = max((starts[t] + tasks[t].duration_us for t in starts), default=math.inf)
+    bound_us = max(0.0, bound_i / scale - rounding_us)
+    return ExactResult(status, makespan_us, min(bound_us, makespan_us), time.perf_counter() - t0, starts, n,
+                       None if hint is None else horizon / scale, rounding_us)
+
+
+def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hints: "Sequence[Plan]" = ()) -> dict:
+    """Solve ``cfg`` exactly (hinted with ``plan`` and ``extra_hints``, e.g. plans on other backbones)
+    and compare ``plan`` with it: ``gap`` is heuristic / optimum - 1 when the solve is OPTIMAL,
+    heuristic / bound - 1 otherwise (then an upper bound on the true gap); ``gap_vs_bound`` is always
+    heuristic / bound - 1 (conservative, valid in both cases); ``gap_vs_best`` is heuristic / best
+    schedule found - 1 (a lower bound on the true gap)."""
+    res = solve_exact(cfg, time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
+    heur = float(plan.metrics["step_time_us"])
+    ref = res.makespan_us if res.optimal else res.bound_us
+    return {
+        "status": res.status,
+        "optimum_us": res.makespan_us if res.optimal else None,
+        "best_us": res.makespan_us,
+        "bound_us": res.bound_us,
+        "heuristic_us": heur,
+        "gap": heur / ref - 1.0 if ref > 0 else math.inf,
+        "gap_vs_bound": heur / res.bound_us - 1.0 if res.bound_us > 0 else math.inf,
+        "gap_vs_best": heur / res.makespan_us - 1.0,
+        "planner_lower_bound_us": float(plan.metrics["lower_bound_us"]),
+        "strategy": plan.strategy,
+        "pipeline": plan.pipeline,
+        "num_tasks": res.num_tasks,
+        "rounding_us": res.rounding_us,
+        "wall_s": res.wall_s,
+    }
