@@ -21,7 +21,7 @@ from .config import ConfigError, load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="k3sched: plan, run and check a five-lane (compute, EP, collective, local and remote "
                        "offload) co-schedule of one MoE training step.")
-console = Console(width=max(120, shutil.get_terminal_size((120, 24)).columns))
+console = Console(width=max(150, shutil.get_terminal_size((150, 24)).columns))
 err_console = Console(stderr=True)
 
 
@@ -52,21 +52,27 @@ def _plan_or_fail(cfg, strategy: Optional[str] = None, schedule=None):
 
 
 def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f}"
+    return f"{b / 2**30:.3f}"
 
 
 def summary_table(p, title: str | None = None) -> Table:
     m = p.metrics
     step, lb = m["step_time_us"], m["lower_bound_us"]
     t = Table(title=title or f"{p.cfg.model.name}: strategy {p.strategy}, pipeline {p.pipeline}", title_justify="left")
-    for name in ("stage", "compute busy", "bubble", "exposed comm", "exposed EP ms", "peak device GiB",
-                 "host GiB", "peer GiB"):
+    before = m.get("peak_device_bytes_before_offload")
+    offloaded = before is not None and before != m["peak_device_bytes"]
+    names = ["stage", "compute busy", "bubble", "exposed comm", "exposed EP ms"]
+    names += ["device GiB w/o offload"] if offloaded else []
+    names += ["peak device GiB", "host GiB", "peer GiB"]
+    for name in names:
         t.add_column(name, justify="right", no_wrap=True)
     for s in range(p.cfg.parallel.pp):
         b = m["bubble_ratio"][s]["compute"]
-        t.add_row(str(s), f"{(1 - b) * 100:.1f}%", f"{b * 100:.1f}%", f"{m['exposed_comm_ratio'][s] * 100:.1f}%",
-                  f"{m['exposed_comm_us'][s]['ep'] / 1e3:.2f}", _gib(m["peak_device_bytes"][s]),
-                  _gib(m["peak_host_bytes"][s]), _gib(m["peak_peer_bytes"][s]))
+        cells = [str(s), f"{(1 - b) * 100:.1f}%", f"{b * 100:.1f}%", f"{m['exposed_comm_ratio'][s] * 100:.1f}%",
+                 f"{m['exposed_comm_us'][s]['ep'] / 1e3:.2f}"]
+        cells += [_gib(before[s])] if offloaded else []
+        cells += [_gib(m["peak_device_bytes"][s]), _gib(m["peak_host_bytes"][s]), _gib(m["peak_peer_bytes"][s])]
+        t.add_row(*cells)
     t.caption = (f"step {step / 1e3:.3f} ms | lower bound {lb / 1e3:.3f} ms (x{step / lb:.3f}) | "
                  f"exposed EP {m['exposed_ep_ratio'] * 100:.2f}% of step | budget {_gib(m['budget_bytes'])} GiB | "
                  f"offloaded sets {m['offloaded_sets']['local']} local + {m['offloaded_sets']['remote']} remote of "
@@ -109,7 +115,7 @@ def plan(
         from . import schedules
 
         try:
-            text = from_torch_csv.read_text()
+            text = from_torch_csv.read_bytes().decode()
             sched = schedules.Schedule.from_torch_csv(
                 text, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.microbatches,
                 placement="v" if cfg.schedule.pipeline in ("zb-v", "dualpipev") else "loop")
@@ -135,7 +141,7 @@ def plan(
         torch_csv.parent.mkdir(parents=True, exist_ok=True)
         from .planner import backbone
 
-        torch_csv.write_text((sched or backbone(cfg)).to_torch_csv())
+        torch_csv.write_text((sched or backbone(cfg)).to_torch_csv(), newline="")
         console.print(f"wrote {torch_csv}", highlight=False)
 
 

@@ -606,9 +606,12 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
     pp = cfg.parallel.pp
     chosen = OffloadChoice(local=set(search.all_sets) if policy == "all" else set())
     best_peak: list[int] | None = None
+    first_peaks: list[int] | None = None
     for _ in range(64):
         att = search.run(chosen)
         peaks = list(att.peaks)
+        if first_peaks is None:
+            first_peaks = list(peaks)
         best_peak = peaks if best_peak is None else [min(a, b) for a, b in zip(best_peak, peaks)]
         over = [s for s in range(pp) if peaks[s] > budget]
         if not over or policy != "auto":
@@ -648,4 +651,6 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
     metrics["offloaded_sets"] = {"local": len(chosen.local), "remote": len(chosen.remote),
                                  "total": len(search.all_sets)}
     metrics["budget_bytes"] = budget
+    # per-stage peak before the planner offloaded anything (policy auto; None otherwise)
+    metrics["peak_device_bytes_before_offload"] = first_peaks if policy == "auto" else None
     return Plan(cfg, g, strategy, sched.name, att.lane_orders, att.memory, metrics, ranks)

@@ -1,0 +1,92 @@
+"""Remote offload across stages, measured-profile overrides, torch-pipelining CSV interop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from k3sched import schedules
+from k3sched.config import load_config
+from k3sched.cost import CostModel, load_profile
+from k3sched.planner import backbone, plan
+from k3sched.render import plan_to_json
+from k3sched.tasks import Kind
+
+from conftest import CONFIGS, ROOT
+from test_planner import check_plan_invariants
+
+PP4 = ["parallel.pp=4", "parallel.microbatches=8", "schedule.device_memory_budget=0.0155"]
+
+
+def test_remote_offload_evens_out_stage_memory():
+    local = plan(load_config(CONFIGS / "tiny-cpu.yaml", PP4))
+    remote = plan(load_config(CONFIGS / "tiny-cpu.yaml", PP4 + ["schedule.remote_offload=true"]))
+    check_plan_invariants(remote, serial=False)
+    m = remote.metrics
+    assert m["offloaded_sets"]["remote"] > 0
+    before = m["peak_device_bytes_before_offload"]
+    assert before[1] > m["budget_bytes"] >= m["peak_device_bytes"][1]  # stage 1 needed relief
+    holders = [s for s, b in enumerate(m["peak_peer_bytes"]) if b > 0]
+    assert holders and all(h > 1 for h in holders)  # held by a later stage
+    assert m["peak_device_bytes"][holders[0]] > before[holders[0]]  # counted in the holder's device memory
+    t = remote.tasks
+    ron = [x for x in t.values() if x.kind is Kind.ACT_RONLOAD]
+    assert ron and all(x.lane == "offload_remote" and x.peer_stage in holders for x in ron)
+    for x in ron:
+        assert x.start_us >= t[x.id.replace("act.ronload", "act.roffload")].end_us
+    assert local.metrics["offloaded_sets"]["remote"] == 0
+
+
+def test_measured_profile_replaces_analytic_durations(tmp_path):
+    prof = tmp_path / "profile.yaml"
+    prof.write_text("durations_us:\n  attn.fwd: 1234.5\n  expert.dx: 99.0\nbandwidth_gbps:\n  ep: 1.0\n")
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml", [f"schedule.profile={prof}"])
+    p = plan(cfg)
+    assert {x.duration_us for x in p.tasks.values() if x.kind is Kind.ATTN_FWD} == {1234.5}
+    assert {x.duration_us for x in p.tasks.values() if x.kind is Kind.EXPERT_DX} == {99.0}
+    base = CostModel(load_config(CONFIGS / "tiny-cpu.yaml"))
+    assert CostModel(cfg).a2a_us() > base.a2a_us()  # slower measured EP bandwidth
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("durations_us:\n  attn.sideways: 1\n")
+    with pytest.raises(ValueError, match="unknown task kind 'attn.sideways'"):
+        load_profile(bad)
+
+
+@pytest.mark.parametrize("pipeline, extra", [("1f1b", []), ("zb-h1", []), ("gpipe", []),
+                                             ("interleaved-1f1b", ["parallel.vpp=2", "model.layers=4"]),
+                                             ("zb-v", ["parallel.vpp=2"]),
+                                             ("dualpipev", ["parallel.vpp=2"])])
+def test_torch_csv_export_import_plans_the_same(pipeline, extra, tmp_path):
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml", [f"schedule.pipeline={pipeline}", *extra])
+    csv = tmp_path / "sched.csv"
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", str(CONFIGS / "tiny-cpu.yaml"),
+                        "--set", f"schedule.pipeline={pipeline}", *sum((["--set", e] for e in extra), []),
+                        "--torch-csv", str(csv)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = csv.read_bytes().decode()
+    assert text == backbone(cfg).to_torch_csv()
+    placement = "v" if pipeline in ("zb-v", "dualpipev") else "loop"
+    imported = schedules.Schedule.from_torch_csv(text, cfg.parallel.pp, cfg.parallel.vpp,
+                                                 cfg.parallel.microbatches, placement=placement)
+    assert imported.to_torch_csv() == text
+    a, b = plan(cfg), plan(cfg, schedule=imported)
+    assert a.metrics["step_time_us"] == b.metrics["step_time_us"]
+    ja, jb = plan_to_json(a), plan_to_json(b)
+    assert jb.pop("pipeline") == "csv" and ja.pop("pipeline") == pipeline
+    assert ja == jb
+
+
+def test_from_torch_csv_cli_and_bad_csv(tmp_path):
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml")
+    good = tmp_path / "g.csv"
+    good.write_text(backbone(cfg).to_torch_csv(), newline="")
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", "configs/tiny-cpu.yaml", "--from-torch-csv",
+                        str(good)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    bad = tmp_path / "b.csv"
+    bad.write_text("0F0,0B0\n1B0,1F0\n")
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", "configs/tiny-cpu.yaml", "--from-torch-csv",
+                        str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
