@@ -1,0 +1,226 @@
+"""Compare pipeline backbones (and the serial baseline) on one config: ``k3sched compare``.
+
+Each supported schedule is planned with the k3 strategy on a copy of the config whose
+``schedule.pipeline`` (and, where the schedule needs it, ``parallel.vpp``) is changed; the
+``serial`` strategy runs on the config's own pipeline as the no-overlap baseline. A schedule the
+config's shape does not support gives a row with the reason instead of numbers.
+
+vpp per schedule: gpipe, 1f1b, zb-h1, zb-h2 place one chunk per rank (vpp 1); zb-v and dualpipev
+two (V shape, vpp 2); interleaved-1f1b keeps the config's vpp when it is at least 2, else uses 2.
+A schedule is skipped when the model has fewer layers than pp * vpp chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import Config, ConfigError, config_from_dict, load_config
+from .tasks import Kind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+    from rich.table import Table
+
+    from .planner import Plan
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+_VPP1 = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+_VPP2 = ("zb-v", "dualpipev")
+
+
+@dataclass
+class Row:
+    """One compared plan. Times in µs, memory and volumes in bytes; ``error`` is set (and the
+    numbers are None) when the schedule could not be planned for this config."""
+
+    schedule: str
+    strategy: str
+    vpp: int
+    step_us: float | None = None
+    lower_bound_us: float | None = None
+    ratio_to_bound: float | None = None
+    bubble: float | None = None  # mean over stages of the compute lane's idle fraction
+    exposed_ep_us: float | None = None  # per stage, mean over stages
+    exposed_ep_ratio: float | None = None
+    exposed_collective_us: float | None = None
+    exposed_collective_ratio: float | None = None
+    peak_device_max: int | None = None
+    peak_device: list[int] | None = None
+    p2p_bytes: int | None = None
+    num_tasks: int | None = None
+    plan_s: float | None = None
+    error: str | None = None
+    plan: "Plan | None" = field(default=None, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.schedule}-{self.strategy}"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("plan")
+        return d
+
+
+def variant(cfg: Config, pipeline: str) -> Config:
+    """``cfg`` with ``schedule.pipeline`` set and ``parallel.vpp`` adapted to it (see module
+    docstring); ConfigError (one line) when the shape does not fit."""
+    vpp = cfg.parallel.vpp
+    if pipeline in _VPP1:
+        vpp = 1
+    elif pipeline in _VPP2:
+        vpp = 2
+    elif pipeline == "interleaved-1f1b":
+        vpp = max(2, vpp)
+    layers, pp = cfg.model.layers, cfg.parallel.pp
+    if layers < pp * vpp:
+        raise ConfigError(f"skipped: {pipeline} needs pp*vpp = {pp}*{vpp} = {pp * vpp} chunks, model has {layers} layers")
+    data = cfg.to_dict()
+    data["parallel"]["vpp"] = vpp
+    data["schedule"]["pipeline"] = pipeline
+    if pipeline != "interleaved-1f1b":
+        data["schedule"]["warmup_extra"] = 0
+    return config_from_dict(data)
+
+
+def _row(cfg: Config, schedule: str, strategy: str) -> Row:
+    from .planner import plan
+    from .simulator import DeadlockError
+
+    row = Row(schedule, strategy, cfg.parallel.vpp)
+    t0 = time.perf_counter()
+    try:
+        p = plan(cfg, strategy)
+    except (ValueError, DeadlockError) as e:  # ConfigError, InfeasibleBudget, generator shape errors
+        row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        row.plan_s = time.perf_counter() - t0
+        return row
+    row.plan_s = time.perf_counter() - t0
+    m = p.metrics
+    step = m["step_time_us"]
+    pp = cfg.parallel.pp
+    row.step_us = step
+    row.lower_bound_us = m["lower_bound_us"]
+    row.ratio_to_bound = step / m["lower_bound_us"] if m["lower_bound_us"] else None
+    row.bubble = sum(b["compute"] for b in m["bubble_ratio"]) / pp
+    ep = sum(e["ep"] for e in m["exposed_comm_us"]) / pp
+    coll = sum(e["collective"] for e in m["exposed_comm_us"]) / pp
+    row.exposed_ep_us, row.exposed_collective_us = ep, coll
+    row.exposed_ep_ratio = ep / step if step else 0.0
+    row.exposed_collective_ratio = coll / step if step else 0.0
+    row.peak_device = [int(b) for b in m["peak_device_bytes"]]
+    row.peak_device_max = max(row.peak_device)
+    row.p2p_bytes = sum(t.bytes for t in p.tasks.values() if t.kind in (Kind.FWD_SEND, Kind.BWD_SEND))
+    row.num_tasks = m["num_tasks"]
+    row.plan = p
+    return row
+
+
+def compare(cfg: Config, pipelines: list[str] | None = None) -> list[Row]:
+    """Plan ``cfg`` under each schedule in ``pipelines`` (default: all of ``SCHEDULES``) with the k3
+    strategy, plus the serial strategy on the config's own pipeline (last row). Errors per schedule
+    become rows with ``error`` set; an unknown schedule name raises ValueError."""
+    names = list(SCHEDULES) if pipelines is None else list(pipelines)
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedule(s) {', '.join(unknown)}; supported: {', '.join(SCHEDULES)}")
+    rows = []
+    for name in names:
+        try:
+            c = variant(cfg, name)
+        except ConfigError as e:
+            vpp = 1 if name in _VPP1 else 2 if name in _VPP2 else max(2, cfg.parallel.vpp)
+            rows.append(Row(name, "k3", vpp, error=str(e)))
+            continue
+        rows.append(_row(c, name, "k3"))
+    rows.append(_row(cfg, cfg.schedule.pipeline, "serial"))
+    return rows
+
+
+def best_row(rows: list[Row], strategy: str = "k3") -> Row | None:
+    ok = [r for r in rows if r.ok and r.strategy == strategy]
+    return min(ok, key=lambda r: r.step_us) if ok else None
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def render_table(rows: list[Row], title: str | None = None) -> "Table":
+    from rich.table import Table
+
+    t = Table(title=title or "schedule comparison", title_justify="left")
+    for name in ("schedule", "strategy", "vpp", "step ms", "x bound", "bubble", "exposed EP ms (%)",
+                 "exposed coll ms (%)", "peak dev GiB max", "peak dev GiB per stage", "P2P MiB", "plan s"):
+        t.add_column(name, justify="left" if name in ("schedule", "strategy") else "right", no_wrap=True)
+    best = best_row(rows)
+    for r in rows:
+        if not r.ok:
+            t.add_row(r.schedule, r.strategy, str(r.vpp), f"[dim]{r.error}[/]", *[""] * 8)
+            continue
+        mark = " *" if r is best else ""
+        per = " ".join(_gib(b) for b in r.peak_device) if len(r.peak_device) <= 8 else (
+            f"{_gib(min(r.peak_device))}..{_gib(max(r.peak_device))}")
+        t.add_row(r.schedule + mark, r.strategy, str(r.vpp), f"{r.step_us / 1e3:.3f}", f"{r.ratio_to_bound:.3f}",
+                  f"{r.bubble * 100:.1f}%", f"{r.exposed_ep_us / 1e3:.2f} ({r.exposed_ep_ratio * 100:.1f}%)",
+                  f"{r.exposed_collective_us / 1e3:.2f} ({r.exposed_collective_ratio * 100:.1f}%)",
+                  _gib(r.peak_device_max), per, f"{r.p2p_bytes / 2**20:.1f}", f"{r.plan_s:.2f}")
+    t.caption = "* fastest k3 row; bubble and exposed comm are means over stages; x bound = step / lower bound"
+    return t
+
+
+def write_compare(rows: list[Row], plans: "list[Plan | None] | None", out_dir: str | Path, png: bool = True
+                  ) -> list[Path]:
+    """Write ``<out>/<schedule>-<strategy>/plan.json`` for each planned row, ``<out>/compare.json``
+    (the rows) and ``<out>/compare.png`` (every timeline stacked). ``plans`` aligns with ``rows``
+    (None: the plans the rows carry)."""
+    from .render import dumps_plan, png_timeline
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plans = [r.plan for r in rows] if plans is None else list(plans)
+    written: list[Path] = []
+    done, titles = [], []
+    for r, p in zip(rows, plans):
+        if p is None:
+            continue
+        d = out / r.label
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "plan.json"
+        path.write_text(dumps_plan(p))
+        written.append(path)
+        done.append(p)
+        titles.append(f"{r.schedule} / {r.strategy} (vpp {r.vpp})")
+    summary = out / "compare.json"
+    summary.write_text(json.dumps({"format": "k3sched.compare/1", "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
+    written.append(summary)
+    if png and done:
+        written.append(png_timeline(done, out / "compare.png", titles))
+    return written
+
+
+def compare_command(config_path: str | Path, schedules: list[str] | None, out: Path | None,
+                    overrides: list[str] | None, console: "Console") -> int:
+    """``k3sched compare CONFIG [--schedules a,b] [--out DIR] [--set K=V]``: print the table, write
+    outputs. Exit code: 0 when at least one row planned, 1 when none did, 2 on a bad config or
+    schedule name (one line on the console)."""
+    try:
+        cfg = load_config(config_path, overrides)
+        rows = compare(cfg, schedules)
+    except (ConfigError, ValueError) as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return 2
+    console.print(render_table(rows, f"{cfg.model.name}: pp {cfg.parallel.pp}, {cfg.parallel.microbatches} "
+                                     f"micro-batches, serial on {cfg.schedule.pipeline}"))
+    if out is not None:
+        for path in write_compare(rows, None, out):
+            console.print(f"wrote {path}", highlight=False)
+    return 0 if any(r.ok for r in rows) else 1
