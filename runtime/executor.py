@@ -1,0 +1,415 @@
+"""Five-lane executor: runs one rank's part of a plan (its PP stage's entry of plan.json).
+
+[Note: lane execution]
+Every lane (compute, ep, collective, offload_local, offload_remote) has a dedicated worker thread
+(and, on GPU, a dedicated CUDA stream that thread makes current). A lane runs its tasks strictly
+in the plan's order, one at a time. A task waits for its same-rank dependencies (``deps`` whose
+id names this stage, plus ``start_deps``: tasks that must have *started*) through threading
+events and, on GPU, CUDA events recorded on the producing lane's stream. Dependencies on other
+stages' tasks are satisfied by the P2P task itself (the recv waits for the matching send).
+
+One interpreter touches the hardware: :class:`Executor` maps a task's kind to a handler (a dict
+kind -> callable) and enters the lane through :meth:`Executor._lane` (wait on input events, open
+the NVTX range named by the task id on the issuing thread, run, record start/end and the done
+event). CUDA objects are created lazily, so this module imports and runs on CPU.
+
+A failing task aborts the step: the other lanes stop at their next wait and :meth:`run_step`
+re-raises the first error, naming the task. A wait longer than ``dep_timeout_s`` raises too
+(naming the task and the dependency), so a plan the runtime cannot follow never hangs silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from k3sched.tasks import LANES, Kind, parse_task_id
+
+try:  # nvtx is optional at import time; ranges are no-ops without it
+    import nvtx as _nvtx
+except ImportError:  # pragma: no cover
+    _nvtx = None
+
+NVTX_DOMAIN = "k3sched"
+TRACE_FORMAT = "k3sched.trace/1"
+PERTURB_ENV = "K3SCHED_PERTURB"
+
+
+@dataclass(frozen=True)
+class PlanTask:
+    """One task of this rank's stage, as plan.json lists it (the fields the runtime needs)."""
+
+    id: str
+    kind: Kind
+    lane: str
+    stage: int
+    chunk: int
+    mb: int | None
+    layer: int | None
+    deps: tuple[str, ...] = ()
+    start_deps: tuple[str, ...] = ()
+    bucket: int | None = None
+    bytes: int = 0
+    buffer: str | None = None
+    peer_stage: int | None = None
+
+    @classmethod
+    def from_json(cls, t: Mapping, start_deps: tuple[str, ...] = ()) -> PlanTask:
+        return cls(id=t["id"], kind=Kind(t["kind"]), lane=t["lane"], stage=int(t["stage"]), chunk=int(t["chunk"]),
+                   mb=t.get("mb"), layer=t.get("layer"), deps=tuple(t.get("deps") or ()), start_deps=start_deps,
+                   bucket=parse_task_id(t["id"]).bucket, bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
+                   peer_stage=t.get("peer_stage"))
+
+
+def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:
+    """The ordered tasks of each lane of ``stage`` from a plan.json dict."""
+    entry = next((s for s in plan["stages"] if s["stage"] == stage), None)
+    if entry is None:
+        raise ValueError(f"plan has no stage {stage} (stages: {[s['stage'] for s in plan['stages']]})")
+    start = entry.get("start_deps") or {}
+    return {lane: [PlanTask.from_json(t, tuple(start.get(t["id"], ()))) for t in entry["lanes"].get(lane, [])]
+            for lane in LANES}
+
+
+def parse_perturb(spec: str | None) -> tuple[str, int | None] | None:
+    """``"lane"`` or ``"lane:i"`` (swap tasks i and i+1 of the lane) -> (lane, i); None/'' -> None."""
+    if not spec:
+        return None
+    lane, _, idx = spec.partition(":")
+    if lane not in LANES:
+        raise ValueError(f"{PERTURB_ENV}={spec!r}: lane must be one of {', '.join(LANES)}")
+    return lane, (int(idx) if idx else None)
+
+
+def perturb_lanes(lanes: dict[str, list[PlanTask]], lane: str, index: int | None) -> tuple[str, str] | None:
+    """Swap two adjacent tasks of ``lane`` (debug switch for trace-validation tests).
+
+    With ``index`` None, the first adjacent pair whose second task does not (transitively, on this
+    stage) depend on the first is swapped, so the perturbed run still completes. Returns the
+    swapped ids, or None when the lane has no such pair."""
+    tasks = lanes[lane]
+    by_id = {t.id: t for ts in lanes.values() for t in ts}
+
+    def depends(a: PlanTask, b: PlanTask) -> bool:  # does a (transitively) depend on b?
+        seen, todo = set(), list(a.deps) + list(a.start_deps)
+        while todo:
+            d = todo.pop()
+            if d == b.id:
+                return True
+            if d in seen or d not in by_id:
+                continue
+            seen.add(d)
+            todo.extend(by_id[d].deps)
+            todo.extend(by_id[d].start_deps)
+        return False
+
+    candidates = [index] if index is not None else range(len(tasks) - 1)
+    for i in candidates:
+        if 0 <= i < len(tasks) - 1 and (index is not None or not depends(tasks[i + 1], tasks[i])):
+            tasks[i], tasks[i + 1] = tasks[i + 1], tasks[i]
+            return tasks[i + 1].id, tasks[i].id
+    return None
+
+
+Handler = Callable[[PlanTask], None]
+
+
+class TaskError(RuntimeError):
+    """A task failed; ``task_id`` names it. The message is one line."""
+
+    def __init__(self, task_id: str, msg: str):
+        super().__init__(f"task {task_id}: {msg}")
+        self.task_id = task_id
+
+
+class _Aborted(Exception):
+    """Raised in a lane when another lane failed (not reported on its own)."""
+
+
+@dataclass
+class TaskTiming:
+    id: str
+    lane: str
+    start_us: float
+    end_us: float
+
+
+@dataclass
+class StepRecord:
+    """What one executed step left: per task start/end (µs, monotonic clock), and lane thread ids."""
+
+    step: int
+    timings: list[TaskTiming]
+    lane_tid: dict[str, int]
+    wall_s: float
+
+
+@dataclass
+class _StepState:
+    step: int
+    done: dict[str, threading.Event]
+    started: dict[str, threading.Event]
+    abort: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    timings: dict[str, list] = field(default_factory=dict)
+    cuda_events: dict[str, tuple] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _CudaLanes:
+    """Lazily created CUDA streams (one per lane) and events (start/done per task)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.streams: dict[str, object] = {}
+
+    def stream(self, lane: str):
+        s = self.streams.get(lane)
+        if s is None:
+            s = self.streams[lane] = self.torch.cuda.Stream(device=self.device)
+        return s
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+
+class Executor:
+    """Runs the lanes of one stage (see [Note: lane execution]).
+
+    ``lanes``: ordered tasks per lane (:func:`stage_lanes`). ``handlers``: kind -> callable(task).
+    ``device``: a torch device; CUDA streams are used when it is a CUDA device. ``perturb``:
+    (lane, index or None) swaps two tasks of that lane (default from env ``K3SCHED_PERTURB``).
+    ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
+    that the plan may leave implicit). ``nvtx``: push an NVTX range per task.
+    """
+
+    def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
+                 stage: int = 0, device=None, perturb: tuple[str, int | None] | None = None,
+                 extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
+                 nvtx: bool = True) -> None:
+        self.rank, self.stage = rank, stage
+        self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
+        if perturb is None:
+            perturb = parse_perturb(os.environ.get(PERTURB_ENV))
+        self.perturbed = perturb_lanes(self.lanes, *perturb) if perturb else None
+        self.handlers = dict(handlers)
+        self.dep_timeout_s = dep_timeout_s
+        self.use_nvtx = nvtx and _nvtx is not None
+        self.tasks = {t.id: t for ts in self.lanes.values() for t in ts}
+        prefix = f"s{stage}/"
+        extra = extra_deps or {}
+        self._deps: dict[str, tuple[str, ...]] = {}
+        for tid, t in self.tasks.items():
+            local = [d for d in t.deps if d.startswith(prefix)] + [d for d in extra.get(tid, ()) if d in self.tasks]
+            missing = [d for d in local + list(t.start_deps) if d not in self.tasks]
+            if missing:
+                raise ValueError(f"task {tid}: dependency {missing[0]} is not a task of stage {stage}")
+            self._deps[tid] = tuple(dict.fromkeys(local))
+        unknown = sorted({t.kind.value for t in self.tasks.values() if t.kind not in self.handlers})
+        if unknown:
+            raise ValueError(f"no handler for task kind(s) {', '.join(unknown)} (stage {stage})")
+        self._cuda = None
+        if device is not None and getattr(device, "type", str(device)) == "cuda":
+            self._cuda = _CudaLanes(device)
+        self._state: _StepState | None = None
+        self._threads: dict[str, threading.Thread] = {}
+        self._go: dict[str, threading.Semaphore] = {}
+        self._finished = threading.Semaphore(0)
+        self._tid: dict[str, int] = {}
+        self._closed = False
+
+    # -- lanes -----------------------------------------------------------------------------------
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        ready = threading.Barrier(len(LANES) + 1)
+        for lane in LANES:
+            self._go[lane] = threading.Semaphore(0)
+            th = threading.Thread(target=self._lane_main, args=(lane, ready), name=f"k3sched-{lane}", daemon=True)
+            self._threads[lane] = th
+            th.start()
+        ready.wait()
+
+    def _lane_main(self, lane: str, ready: threading.Barrier) -> None:
+        self._tid[lane] = threading.get_native_id()
+        if self._cuda is not None:
+            import torch
+
+            torch.cuda.set_device(self._cuda.device)
+            torch.cuda.set_stream(self._cuda.stream(lane))
+        ready.wait()
+        while True:
+            self._go[lane].acquire()
+            st = self._state
+            if st is None or self._closed:
+                return
+            try:
+                for task in self.lanes[lane]:
+                    if st.abort.is_set():
+                        break
+                    with self._lane(lane, task, st):
+                        self.handlers[task.kind](task)
+            except _Aborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 - reported by run_step
+                with st.lock:
+                    if st.error is None:
+                        st.error = e if isinstance(e, TaskError) else _as_task_error(e, getattr(e, "_k3_task", "?"))
+                st.abort.set()
+            finally:
+                self._finished.release()
+
+    def _wait(self, st: _StepState, task: PlanTask, dep: str, events: dict[str, threading.Event], what: str) -> None:
+        ev = events[dep]
+        if ev.is_set():
+            return
+        deadline = time.monotonic() + self.dep_timeout_s
+        while not ev.wait(0.05):
+            if st.abort.is_set():
+                raise _Aborted()
+            if time.monotonic() > deadline:
+                raise TaskError(task.id, f"waited {self.dep_timeout_s:.0f} s for {dep} to {what} (lane {task.lane}; "
+                                         "a plan order the runtime cannot follow, or a stuck peer)")
+
+    @contextlib.contextmanager
+    def _lane(self, lane: str, task: PlanTask, st: _StepState) -> Iterator[None]:
+        """Enter ``lane`` for ``task``: wait on its input events, open its NVTX range, time it,
+        record its done event (STYLE.md point 4)."""
+        for d in task.start_deps:
+            self._wait(st, task, d, st.started, "start")
+        for d in self._deps[task.id]:
+            self._wait(st, task, d, st.done, "finish")
+        cuda = self._cuda
+        if cuda is not None:
+            stream = cuda.stream(lane)
+            for d in self._deps[task.id]:
+                ev = st.cuda_events[d][1]
+                stream.wait_event(ev)
+            ev_start, ev_end = cuda.event(), cuda.event()
+            ev_start.record(stream)
+        if self.use_nvtx:
+            _nvtx.push_range(message=task.id, domain=NVTX_DOMAIN)
+        t0 = time.monotonic_ns()
+        st.started[task.id].set()
+        try:
+            yield
+        except _Aborted:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            raise _as_task_error(e, task.id) from e
+        finally:
+            if self.use_nvtx:
+                _nvtx.pop_range(domain=NVTX_DOMAIN)
+        t1 = time.monotonic_ns()
+        if cuda is not None:
+            ev_end.record(cuda.stream(lane))
+            st.cuda_events[task.id] = (ev_start, ev_end)
+        st.timings[task.id] = [lane, t0 / 1e3, t1 / 1e3]
+        st.done[task.id].set()
+
+    # -- steps -----------------------------------------------------------------------------------
+    def run_step(self, step: int = 0) -> StepRecord:
+        """Run every lane's tasks once; return the timings. Raises the first task error."""
+        if self._closed:
+            raise RuntimeError("executor is closed")
+        self._start_threads()
+        st = _StepState(step, {t: threading.Event() for t in self.tasks}, {t: threading.Event() for t in self.tasks})
+        self._state = st
+        cuda = self._cuda
+        base = None
+        if cuda is not None:
+            import torch
+
+            torch.cuda.synchronize(cuda.device)
+            base = cuda.event()
+            base.record(torch.cuda.current_stream(cuda.device))
+            base_cpu_us = time.monotonic_ns() / 1e3
+        t0 = time.perf_counter()
+        for lane in LANES:
+            self._go[lane].release()
+        for _ in LANES:
+            self._finished.acquire()
+        if cuda is not None:
+            import torch
+
+            torch.cuda.synchronize(cuda.device)
+        wall = time.perf_counter() - t0
+        self._state = None
+        if st.error is not None:
+            raise st.error
+        if cuda is not None:  # GPU: the stream's start/end times, on the CPU clock of the step start
+            for tid, (a, b) in st.cuda_events.items():
+                lane = st.timings[tid][0]
+                st.timings[tid] = [lane, base_cpu_us + base.elapsed_time(a) * 1e3, base_cpu_us + base.elapsed_time(b) * 1e3]
+        timings = [TaskTiming(tid, v[0], v[1], v[2]) for tid, v in st.timings.items()]
+        timings.sort(key=lambda t: (t.start_us, t.id))
+        return StepRecord(step, timings, dict(self._tid), wall)
+
+    def close(self) -> None:
+        """Stop the lane threads (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._state = None
+        for lane, sem in self._go.items():
+            sem.release()
+        for th in self._threads.values():
+            th.join(timeout=5)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- trace -----------------------------------------------------------------------------------
+    def lane_ids(self, record: StepRecord) -> dict[str, int]:
+        """Trace ``tid`` per lane: the lane thread's native id (CPU) or its CUDA stream id (GPU)."""
+        if self._cuda is not None:
+            return {lane: int(self._cuda.stream(lane).stream_id) for lane in LANES}
+        return dict(record.lane_tid)
+
+    def chrome_trace(self, record: StepRecord, *, plan_step_time_us: float | None = None,
+                     t0_us: float | None = None) -> dict:
+        """The per-rank runtime trace (docs/formats.md, ``k3sched.trace/1``) of one step."""
+        tids = self.lane_ids(record)
+        events: list[dict] = [{"ph": "M", "name": "process_name", "pid": self.rank, "tid": 0,
+                               "args": {"name": f"rank {self.rank} (stage {self.stage})"}}]
+        for lane in LANES:
+            events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tids[lane],
+                           "args": {"name": lane}})
+        base = 0.0 if t0_us is None else t0_us
+        for t in record.timings:
+            task = self.tasks[t.id]
+            events.append({"ph": "X", "name": t.id, "cat": t.lane, "ts": round(t.start_us - base, 3),
+                           "dur": round(max(0.0, t.end_us - t.start_us), 3), "pid": self.rank, "tid": tids[t.lane],
+                           "args": {"lane": t.lane, "stage": self.stage, "step": record.step, "bytes": task.bytes}})
+        other = {"format": TRACE_FORMAT, "rank": self.rank, "stage": self.stage, "step": record.step,
+                 "plan_step_time_us": plan_step_time_us, "measured_step_time_us": record.wall_s * 1e6}
+        if self.perturbed:
+            other["perturbed"] = list(self.perturbed)
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _as_task_error(e: BaseException, task_id: str) -> TaskError:
+    if isinstance(e, TaskError):
+        return e
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    err = TaskError(task_id, f"{type(e).__name__}: {msg}" if msg else type(e).__name__)
+    err.__cause__ = e
+    return err
+
+
+def noop_handlers() -> dict[Kind, Handler]:
+    """A handler table of no-ops (to measure the executor's own per-task overhead)."""
+    def nothing(task: PlanTask) -> None:
+        return None
+
+    return {k: nothing for k in Kind}

@@ -1,0 +1,442 @@
+"""One rank's stage of the MoE model and the handler table the executor interprets.
+
+Shape legend: see :mod:`moe.context` (B batch, S sequence, D hidden, T = B*S tokens).
+
+:class:`StageRunner` holds this rank's layers (its PP stage's chunks, its EP slice of experts),
+the micro-batch states of the current step, the process groups and the optimizer, and maps every
+task kind to a handler (:meth:`StageRunner.handlers`):
+
+- model sub-ops (attn.fwd ... expert.dw, embed/head) -> ``moe.MoEModel.run`` (``shared.dx`` reads
+  the upstream gradient itself, see [Note: shared.dx beside combine.bwd]);
+- act.send / grad.send -> ``isend`` on the pp group, waited at the end of the step (a send never
+  blocks its lane, so a lane's later receive cannot deadlock behind it); act.recv / grad.recv ->
+  ``irecv`` + wait inside the task (a receive posted in plan order waits for its send);
+- grad.rs(.bN) -> all-reduce (sum) of bucket N of the layer's gradients: non-expert weights over
+  the dense group (ep*dp replicas), expert weights over the expert group (dp replicas);
+- act.offload / act.onload -> :class:`HostOffload` (the hook a full offload manager replaces);
+- optim.run -> reduce embed/head/final-norm gradients (optim group), AdamW step, zero grads;
+- act.roffload / act.ronload / gshard.* -> NotImplementedError (not built yet).
+
+[Note: shared.dx beside combine.bwd]
+The planner lets shared.dx run beside combine.bwd (both wait only for the upstream gradient),
+but ``moe``'s combine.bwd is what hands shared.dx its gradient. The shared-expert output enters
+``y = h + shared + routed`` with weight 1, so its gradient *is* the upstream gradient: the runtime
+keeps a reference to each upstream gradient when it is produced (head.dx, attn.dx, grad.recv) and
+shared.dx uses it directly, so it needs nothing from the ep lane. The value is identical.
+combine.fwd does need shared.fwd's output: :meth:`StageRunner.extra_deps` adds that edge (and the
+other data edges of ``moe.INTRA_LAYER_DEPS``) where the plan leaves them implicit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from k3sched.config import Config
+from k3sched.graph import layers_by_vstage, placement_for
+from k3sched.tasks import LANES, Kind
+from moe import INTRA_LAYER_DEPS, LayerCtx, MicroBatch, MoEModel, MoEModelArgs, init_full_state
+
+from .executor import Handler, PlanTask
+from .groups import Groups
+
+NOT_BUILT = {
+    Kind.ACT_ROFFLOAD: "remote activation offload (act.roffload) is not implemented by the runtime yet; "
+                       "set schedule.remote_offload=false",
+    Kind.ACT_RONLOAD: "remote activation onload (act.ronload) is not implemented by the runtime yet; "
+                      "set schedule.remote_offload=false",
+    Kind.GSHARD_ONLOAD: "gradient-shard offload (schedule.grad_offload) is not implemented by the runtime yet",
+    Kind.GSHARD_ADD: "gradient-shard offload (schedule.grad_offload) is not implemented by the runtime yet",
+    Kind.GSHARD_OFFLOAD: "gradient-shard offload (schedule.grad_offload) is not implemented by the runtime yet",
+}
+
+
+def model_args(cfg: Config) -> MoEModelArgs:
+    """The ``moe`` model arguments of a config (dispatch recompute follows the schedule)."""
+    m = cfg.model
+    return MoEModelArgs.from_mapping({**m.model_dump(), "dense_hidden": m.ffn_dense_hidden,
+                                      "dispatch_recompute": cfg.schedule.dispatch_recompute})
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which chunks (virtual stages) and layers a PP stage holds."""
+
+    stage: int
+    num_vstages: int
+    chunk_vstage: dict[int, int]  # local chunk -> vstage
+    vstage_rank: tuple[int, ...]  # vstage -> PP stage
+    vstage_layers: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, cfg: Config, stage: int) -> StageSpec:
+        pl = placement_for(cfg)
+        nv = pl.num_stages
+        located = [pl.locate(v) for v in range(nv)]
+        layers = layers_by_vstage(cfg.model.layers, nv)
+        return cls(stage, nv, {c: v for v, (r, c) in enumerate(located) if r == stage},
+                   tuple(r for r, _ in located), tuple(tuple(ls) for ls in layers))
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(L for v in self.chunk_vstage.values() for L in self.vstage_layers[v])
+
+    @property
+    def has_embed(self) -> bool:
+        return 0 in self.chunk_vstage.values()
+
+    @property
+    def has_head(self) -> bool:
+        return self.num_vstages - 1 in self.chunk_vstage.values()
+
+    def p2p_peer(self, t: PlanTask) -> tuple[int, list]:
+        """(peer PP stage, pairing key) of a P2P task: the key names the transfer the same way on
+        both sides: (direction, mb, from-vstage, to-vstage)."""
+        v = self.chunk_vstage[t.chunk]
+        if t.kind is Kind.FWD_SEND:
+            src, dst, d = v, v + 1, "act"
+        elif t.kind is Kind.FWD_RECV:
+            src, dst, d = v - 1, v, "act"
+        elif t.kind is Kind.BWD_SEND:
+            src, dst, d = v, v - 1, "grad"
+        else:
+            src, dst, d = v + 1, v, "grad"
+        peer = self.vstage_rank[dst] if t.kind in (Kind.FWD_SEND, Kind.BWD_SEND) else self.vstage_rank[src]
+        return peer, [d, t.mb, src, dst]
+
+
+def build_stage_model(args: MoEModelArgs, seed: int, spec: StageSpec, *, ep_rank: int, ep_size: int,
+                      device: torch.device) -> MoEModel:
+    """MoEModel holding only this stage's layers (others are empty placeholders), embedding and
+    head only where the stage has them, and this EP rank's slice of experts. Weights come from
+    ``init_full_state(args, seed)``: identical to the single-process model of the same seed."""
+    with torch.device("meta"):
+        model = MoEModel(args, ep_rank=ep_rank, ep_size=ep_size)
+    keep = set(spec.layers)
+    for i in range(args.layers):
+        if i not in keep:
+            model.layers[i] = nn.Module()
+    if not spec.has_embed:
+        del model.embed
+    if not spec.has_head:
+        del model.final_norm
+        del model.head
+    model.to_empty(device=device)
+    state = init_full_state(args, seed)
+    wanted = model.state_dict().keys()
+    model.load_state_dict({k: model.shard_of(k, state[k]).to(device) for k in wanted}, strict=True)
+    return model
+
+
+def synthetic_batch(seed: int, step: int, replica: int, mb: int, batch: int, seq: int, vocab: int
+                    ) -> tuple[Tensor, Tensor]:
+    """Tokens and next-token targets ``[B, S]`` of one micro-batch of one data replica.
+
+    A noisy affine walk over the vocabulary (learnable, so the loss falls), seeded by
+    (seed, step, replica, mb): every rank of a replica builds the same tokens."""
+    h = hashlib.sha256(f"k3sched/{seed}/{step}/{replica}/{mb}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**62 - 1))
+    x = torch.empty(batch, seq + 1, dtype=torch.int64)
+    x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    noise = torch.randint(0, 2, (batch, seq), generator=g)
+    for i in range(seq):
+        x[:, i + 1] = (x[:, i] * 5 + 3 + noise[:, i]) % vocab
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+class _SyncLayerCtx(LayerCtx):
+    """LayerCtx whose ``add_grad_xn`` is safe to call from two lanes at once (shared.dx on the
+    compute lane, dispatch.bwd on the ep lane may finish together)."""
+
+    def add_grad_xn(self, g: Tensor) -> None:  # noqa: D102
+        with self._grad_lock:
+            super().add_grad_xn(g)
+
+
+def _sync_ctx(layer: int, is_moe: bool) -> LayerCtx:
+    lc = _SyncLayerCtx(layer, is_moe)
+    lc._grad_lock = threading.Lock()
+    return lc
+
+
+class HostOffload:
+    """Simple activation offload: copy a layer's saved tensors to a host pool and back.
+
+    ``offload`` replaces every live saved tensor of (mb, layer) with a host copy (pinned on CUDA);
+    ``onload`` puts device copies back. ``host_bytes`` is the pool's current size. A full offload
+    manager (storage policies, FP8, prefetch) replaces this object; the handlers call only these
+    two methods."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: dict[str, dict[str, Tensor]] = {}
+        self.host_bytes = 0
+        self._lock = threading.Lock()
+
+    def offload(self, buffer: str, lc: LayerCtx) -> None:
+        copies = {}
+        for name, t in lc.saved_tensors().items():
+            h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+            h.copy_(t, non_blocking=self.device.type == "cuda")
+            copies[name] = h
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        for name, h in copies.items():
+            lc.replace(name, h)
+        with self._lock:
+            self.pool[buffer] = copies
+            self.host_bytes += sum(h.numel() * h.element_size() for h in copies.values())
+
+    def onload(self, buffer: str, lc: LayerCtx) -> None:
+        with self._lock:
+            copies = self.pool.pop(buffer)
+            self.host_bytes -= sum(h.numel() * h.element_size() for h in copies.values())
+        for name, h in copies.items():
+            lc.replace(name, h.to(self.device, non_blocking=True))
+
+
+class StageRunner:
+    """This rank's stage: model, micro-batch states, groups, optimizer and task handlers."""
+
+    def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
+                 weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None
+                 ) -> None:
+        self.cfg, self.spec, self.groups = cfg, spec, groups
+        self.args = model_args(cfg)
+        self.device = device or torch.device("cpu")
+        lo = groups.layout
+        self.seed = seed
+        self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device)
+        self.params = [p for p in self.model.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.offloader = HostOffload(self.device)
+        self.replicas = lo.ep * lo.dp
+        self.mbs: dict[int, MicroBatch] = {}
+        self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
+        self._pending: list = []  # (work, tensor) of isends, waited at the end of the step
+        self._pending_lock = threading.Lock()
+        self.fail_task = fail_task
+        self._rs_buckets: dict[tuple[int, int], int] = {}
+        m = cfg.model
+        self.act_shape = (m.micro_batch_size, m.seq_len, m.hidden)
+        self._shared_layers = {L for L in spec.layers if self.args.is_moe_layer(L) and self.args.shared_experts}
+        self.capture_grads = False
+        self.captured: dict[str, Tensor] | None = None
+
+    # -- plan-dependent set-up -------------------------------------------------------------------
+    def bind_plan(self, lanes: Mapping[str, list[PlanTask]]) -> None:
+        """Read what the handlers need from the plan: the bucket count of each layer's grad.rs."""
+        for t in lanes["collective"]:
+            if t.kind is Kind.GRAD_RS:
+                key = (t.chunk, t.layer)
+                self._rs_buckets[key] = max(self._rs_buckets.get(key, 0), (t.bucket or 0) + 1)
+
+    @staticmethod
+    def extra_deps(lanes: Mapping[str, list[PlanTask]]) -> dict[str, tuple[str, ...]]:
+        """Same-(mb, layer) data dependencies of ``moe.INTRA_LAYER_DEPS`` the plan leaves implicit
+        (except shared.dx <- combine.bwd, see [Note: shared.dx beside combine.bwd])."""
+        ids = {t.id for ts in lanes.values() for t in ts}
+        out: dict[str, tuple[str, ...]] = {}
+        for ts in lanes.values():
+            for t in ts:
+                if t.mb is None or t.layer is None:
+                    continue
+                prefix = t.id.rsplit("/", 1)[0]
+                extra = []
+                for k in INTRA_LAYER_DEPS.get(t.kind, ()):
+                    if t.kind is Kind.SHARED_DX and k is Kind.COMBINE_BWD:
+                        continue
+                    d = f"{prefix}/{k.value}"
+                    if d in ids and d not in t.deps:
+                        extra.append(d)
+                if extra:
+                    out[t.id] = tuple(extra)
+        return out
+
+    # -- steps -----------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Fresh micro-batch states with this replica's synthetic tokens for ``step``."""
+        cfg, lo = self.cfg, self.groups.layout
+        M = cfg.parallel.microbatches
+        self.mbs.clear()
+        self._up.clear()
+        for m in range(M):
+            tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
+                                              cfg.model.seq_len, cfg.model.vocab)
+            mb = self.model.new_microbatch(tokens.to(self.device), targets.to(self.device), index=m,
+                                           loss_scale=1.0 / (M * self.replicas))
+            mb.layers = [_sync_ctx(i, self.args.is_moe_layer(i)) for i in range(self.args.layers)]
+            self.mbs[m] = mb
+
+    def end_step(self) -> float:
+        """Wait for outstanding sends; return this rank's loss contribution (sum over its
+        micro-batches of cross-entropy if it holds the head, plus aux-loss terms of its layers)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+        coef = self.args.aux_loss_coef
+        total = 0.0
+        for mb in self.mbs.values():
+            if mb.ce is not None:
+                total += float(mb.ce)
+            for L in self.spec.layers:
+                aux = mb.layers[L].aux
+                if aux is not None:
+                    total += coef * float(aux)
+        self.mbs.clear()
+        self._up.clear()
+        return total
+
+    # -- handlers --------------------------------------------------------------------------------
+    def handlers(self) -> dict[Kind, Handler]:
+        table: dict[Kind, Handler] = {}
+        for k in Kind:
+            if k.op in {"attn", "router", "dispatch", "shared", "expert", "combine", "mlp", "embed", "head"}:
+                table[k] = self._model_task
+        table[Kind.SHARED_DX] = self._shared_dx
+        table[Kind.FWD_SEND] = self._send
+        table[Kind.BWD_SEND] = self._send
+        table[Kind.FWD_RECV] = self._recv
+        table[Kind.BWD_RECV] = self._recv
+        table[Kind.GRAD_RS] = self._grad_rs
+        table[Kind.ACT_OFFLOAD] = self._offload
+        table[Kind.ACT_ONLOAD] = self._onload
+        table[Kind.OPTIM] = self._optim
+        for k, msg in NOT_BUILT.items():
+            table[k] = _not_built(msg)
+        if self.fail_task is not None:
+            table = {k: self._maybe_fail(h) for k, h in table.items()}
+        return table
+
+    def _maybe_fail(self, h: Handler) -> Handler:
+        def run(task: PlanTask) -> None:
+            if self.fail_task in ("*", task.id, task.kind.value):
+                self.fail_task = None
+                raise RuntimeError(f"injected failure (K3SCHED_FAIL_RANK={self.groups.layout.rank})")
+            h(task)
+        return run
+
+    def _model_task(self, t: PlanTask) -> None:
+        mb = self.mbs[t.mb]
+        self.model.run(t.kind, mb, t.layer, self.groups.ep)
+        if t.kind is Kind.HEAD_DX:
+            self._keep_up(t.mb, self.args.layers, mb.grads[self.args.layers])
+        elif t.kind is Kind.ATTN_DX:
+            self._keep_up(t.mb, t.layer, mb.grads[t.layer])
+
+    def _keep_up(self, mb: int, idx: int, g: Tensor) -> None:
+        """Keep the gradient of layer ``idx``'s input for shared.dx of layer ``idx - 1`` (if here)."""
+        below = idx - 1
+        if below in self._shared_layers:
+            self._up[(mb, idx)] = g
+
+    def _shared_dx(self, t: PlanTask) -> None:
+        lc = self.mbs[t.mb].layers[t.layer]
+        if lc.shared is None:
+            return
+        grad_y = self._up.pop((t.mb, t.layer + 1))
+        lc.add_grad_xn(lc.shared.backward_dx({"out": grad_y.reshape(-1, grad_y.shape[-1])})["xn"])
+
+    def _chunk_layers(self, t: PlanTask) -> tuple[int, ...]:
+        return self.spec.vstage_layers[self.spec.chunk_vstage[t.chunk]]
+
+    def _tag(self, key: list) -> int:
+        d, mb, src, dst = key
+        return ((mb * self.spec.num_vstages + dst) * 2 + (d == "grad")) * self.spec.num_vstages + src
+
+    def _send(self, t: PlanTask) -> None:
+        peer, key = self.spec.p2p_peer(t)
+        mb = self.mbs[t.mb]
+        layers = self._chunk_layers(t)
+        idx = layers[-1] + 1 if t.kind is Kind.FWD_SEND else layers[0]
+        buf = mb.acts[idx] if t.kind is Kind.FWD_SEND else mb.grads[idx]
+        if buf is None:
+            raise RuntimeError(f"nothing to send: {'acts' if t.kind is Kind.FWD_SEND else 'grads'}[{idx}] is empty")
+        buf = buf.contiguous()
+        work = dist.isend(buf, dst=self.groups.pp_rank(peer), group=self.groups.pp, tag=self._tag(key))
+        with self._pending_lock:
+            self._pending.append((work, buf))
+        if t.kind is Kind.FWD_SEND:
+            mb.acts[idx] = None
+        else:
+            mb.grads[idx] = None
+
+    def _recv(self, t: PlanTask) -> None:
+        peer, key = self.spec.p2p_peer(t)
+        mb = self.mbs[t.mb]
+        layers = self._chunk_layers(t)
+        buf = torch.empty(self.act_shape, dtype=self.args.torch_dtype, device=self.device)
+        dist.irecv(buf, src=self.groups.pp_rank(peer), group=self.groups.pp, tag=self._tag(key)).wait()
+        if t.kind is Kind.FWD_RECV:
+            mb.acts[layers[0]] = buf
+        else:
+            idx = layers[-1] + 1
+            mb.grads[idx] = buf
+            self._keep_up(t.mb, idx, buf)
+
+    def _layer_buckets(self, t: PlanTask) -> list[list[tuple[str, nn.Parameter]]]:
+        block = self.model.layers[t.layer]
+        named = sorted(block.named_parameters(), key=lambda kv: kv[0])
+        nb = self._rs_buckets.get((t.chunk, t.layer), 1)
+        size = -(-len(named) // nb)
+        return [named[i * size:(i + 1) * size] for i in range(nb)]
+
+    def _grad_rs(self, t: PlanTask) -> None:
+        bucket = self._layer_buckets(t)[t.bucket or 0]
+        dense = [p for n, p in bucket if not MoEModel.is_expert_param(n)]
+        expert = [p for n, p in bucket if MoEModel.is_expert_param(n)]
+        _allreduce_grads(dense, self.groups.dense)
+        _allreduce_grads(expert, self.groups.expert)
+
+    def _offload(self, t: PlanTask) -> None:
+        self.offloader.offload(t.buffer or t.id, self.mbs[t.mb].layers[t.layer])
+
+    def _onload(self, t: PlanTask) -> None:
+        self.offloader.onload(t.buffer or t.id, self.mbs[t.mb].layers[t.layer])
+
+    def _optim(self, t: PlanTask) -> None:
+        rest = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
+        _allreduce_grads(rest, self.groups.optim)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.capture_grads:
+            self.captured, self.capture_grads = self.grads(), False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grads(self) -> dict[str, Tensor]:
+        """Current gradients by full parameter name (this rank's slices)."""
+        return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+
+def _allreduce_grads(params: list[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat buffer (no-op without a group)."""
+    if group is None or not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off:off + n].view_as(p.grad))
+        off += n
+
+
+def _not_built(msg: str) -> Handler:
+    def run(task: PlanTask) -> None:
+        raise NotImplementedError(msg)
+    return run
+
+
+__all__ = ["LANES", "HostOffload", "StageRunner", "StageSpec", "build_stage_model", "model_args", "synthetic_batch"]

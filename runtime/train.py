@@ -1,0 +1,224 @@
+"""One training rank: ``python -m runtime.train CONFIG --out DIR [options]`` under a launcher.
+
+Reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: set by
+torchrun and by DeepSpeed's launcher alike), builds the PP x EP x DP groups ([Note: rank layout]
+in :mod:`runtime.groups`), plans the step (every rank plans; the plans must be byte-identical;
+rank 0 writes plan.json), builds its stage of the model, trains ``--steps`` steps with AdamW on
+synthetic tokens and writes into DIR: ``plan.json``, ``trace_rank{R}.json`` (the last step),
+``summary.json`` (rank 0). Rank 0 prints one progress line per step.
+
+Failure: a rank that raises writes ``error_rank{R}.txt`` (one line, read by
+:func:`runtime.launch.run_command`) and its traceback to ``rank{R}.log``, prints the line to stderr
+and exits 1 at once; the launcher then stops the other ranks. Collectives time out after
+``--timeout`` seconds (env K3SCHED_TIMEOUT_S, default 120). ``K3SCHED_FAIL_RANK=R`` makes rank R
+fail in its first task (``K3SCHED_FAIL_TASK`` = a task id or kind picks another task), for tests.
+Exit codes: 0 done, 1 a rank failed, 2 user error (bad config, world size mismatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+FAIL_RANK_ENV = "K3SCHED_FAIL_RANK"
+FAIL_TASK_ENV = "K3SCHED_FAIL_TASK"
+TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
+
+
+class UserError(Exception):
+    """A problem with the inputs: one line, exit 2."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", type=Path)
+    ap.add_argument("--out", type=Path, required=True, help="output directory (plan, traces, summary)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--strategy", choices=["k3", "serial"], default=None, help="default: schedule.strategy")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=None, help="model and data seed (default: schedule.seed)")
+    ap.add_argument("--timeout", type=float, default=float(os.environ.get(TIMEOUT_ENV, "120")),
+                    help="collective and dependency-wait timeout, seconds")
+    ap.add_argument("--dump-grads", action="store_true", help="write grads_rank{R}.pt (step 0, before AdamW)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo even when CUDA is present")
+    return ap.parse_args(argv)
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return default if v in (None, "") else int(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    stage = None
+    try:
+        return _train(args, rank, world, out)
+    except UserError as e:
+        _report(out, rank, stage, f"error: {e}", None)
+        _hard_exit(2)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes one line + exit 1
+        cause = e
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        where = f"rank {rank}"
+        _report(out, rank, stage, f"{where}: {msg if 'task ' in msg[:5] else type(e).__name__ + ': ' + msg}", cause)
+        _hard_exit(1)
+    return 1  # pragma: no cover
+
+
+def _report(out: Path, rank: int, stage, line: str, exc: BaseException | None) -> None:
+    try:
+        (out / f"error_rank{rank}.txt").write_text(f"{time.time():.6f} {line}\n")
+        if exc is not None:
+            with open(out / f"rank{rank}.log", "a") as f:
+                traceback.print_exception(type(exc), exc, exc.__traceback__, file=f)
+    except OSError:
+        pass
+    print(f"k3sched {line}", file=sys.stderr, flush=True)
+
+
+def _hard_exit(code: int) -> None:
+    """Exit now: lane threads may sit in a collective that will never finish."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from k3sched.config import ConfigError, load_config
+    from k3sched.planner import InfeasibleBudget, plan
+    from k3sched.render import plan_to_json
+
+    from .executor import Executor, stage_lanes
+    from .groups import Layout, build_groups, verify_orders, verify_same_plan
+    from .stage import StageRunner, StageSpec
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    p = cfg.parallel
+    if p.world != world:
+        raise UserError(f"{args.config}: parallel pp*ep*dp = {p.pp}*{p.ep}*{p.dp} = {p.world} ranks, but the launcher "
+                        f"started WORLD_SIZE={world}")
+    seed = cfg.schedule.seed if args.seed is None else args.seed
+    torch.manual_seed(seed)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=args.timeout)
+    if world > 1 or os.environ.get("MASTER_ADDR"):
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timeout,
+                                **({"device_id": device} if use_cuda else {}))
+    lo = Layout(p.pp, p.dp, p.ep, rank)
+    groups = build_groups(lo, timeout=timeout)
+    try:
+        the_plan = plan(cfg, args.strategy)
+    except (InfeasibleBudget, ConfigError) as e:
+        raise UserError(str(e)) from None
+    doc = plan_to_json(the_plan)
+    plan_bytes = json.dumps(doc, indent=1).encode()
+    verify_same_plan(plan_bytes)
+    if rank == 0:
+        (out / "plan.json").write_bytes(plan_bytes)
+    stage = lo.pp_idx
+    spec = StageSpec.of(cfg, stage)
+    lanes = stage_lanes(doc, stage)
+    fail_task = None
+    if os.environ.get(FAIL_RANK_ENV, "") == str(rank):
+        fail_task = os.environ.get(FAIL_TASK_ENV) or "*"
+    runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
+                         fail_task=fail_task)
+    runner.bind_plan(lanes)
+    verify_orders(groups, lanes, spec.p2p_peer, stage)
+    ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device,
+                  extra_deps=runner.extra_deps(lanes), dep_timeout_s=args.timeout)
+    M, R = p.microbatches, p.ep * p.dp
+    tokens_per_step = M * R * cfg.model.micro_batch_size * cfg.model.seq_len
+    predicted_us = float(doc["metrics"]["step_time_us"])
+    show = rank == 0 and not args.quiet
+    console = None
+    if show:
+        from rich.console import Console
+
+        console = Console(highlight=False, soft_wrap=True)
+        console.print(f"k3sched run: {args.config} | {doc['strategy']} plan, {doc['pipeline']} | world {world} "
+                      f"(pp {p.pp} x dp {p.dp} x ep {p.ep}) | {device.type} | predicted step "
+                      f"{predicted_us / 1e3:.1f} ms")
+    losses, times, record = [], [], None
+    try:
+        for step in range(args.steps):
+            if dist.is_initialized():
+                dist.barrier()
+            runner.capture_grads = args.dump_grads and step == 0
+            runner.begin_step(step)
+            record = ex.run_step(step)
+            contrib = runner.end_step()
+            if runner.captured is not None:
+                torch.save(runner.captured, out / f"grads_rank{rank}.pt")
+                runner.captured = None
+            loss_t = torch.tensor([contrib], dtype=torch.float64)
+            time_t = torch.tensor([record.wall_s], dtype=torch.float64)
+            if dist.is_initialized():
+                loss_t, time_t = loss_t.to(device), time_t.to(device)
+                dist.all_reduce(loss_t)
+                dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+            loss, dt = float(loss_t) / (M * R), float(time_t)
+            losses.append(loss)
+            times.append(dt)
+            if console is not None:
+                console.print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  step {dt * 1e3:8.1f} ms  "
+                              f"{tokens_per_step / dt:10,.0f} tok/s")
+        # trace of the last step, aligned so the earliest task of any rank starts at 0
+        t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
+                          dtype=torch.float64)
+        if dist.is_initialized():
+            t0 = t0.to(device)
+            dist.all_reduce(t0, op=dist.ReduceOp.MIN)
+        if record is not None:
+            trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
+            (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
+    finally:
+        ex.close()
+    if rank == 0:
+        steady = sorted(times[1:] or times)
+        measured = steady[len(steady) // 2] if steady else 0.0
+        summary = {
+            "format": "k3sched.run/1", "config": str(args.config), "overrides": args.overrides,
+            "strategy": doc["strategy"], "pipeline": doc["pipeline"], "world": world, "device": device.type,
+            "pp": p.pp, "dp": p.dp, "ep": p.ep, "microbatches": M, "steps": args.steps, "seed": seed, "lr": args.lr,
+            "losses": losses, "step_time_s": times, "tokens_per_step": tokens_per_step,
+            "tokens_per_s": [tokens_per_step / t for t in times],
+            "predicted_step_time_us": predicted_us, "measured_step_time_us": measured * 1e6,
+            "measured_over_predicted": (measured * 1e6 / predicted_us) if predicted_us else None,
+            "perturbed": list(ex.perturbed) if ex.perturbed else None,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
