@@ -161,10 +161,11 @@ def render_table(rows: list[Row], title: str | None = None) -> "Table":
     for name in ("schedule", "strategy", "vpp", "step ms", "x bound", "bubble", "exposed EP ms (%)",
                  "exposed coll ms (%)", "peak dev GiB max", "peak dev GiB per stage", "P2P MiB", "plan s"):
         t.add_column(name, justify="left" if name in ("schedule", "strategy") else "right", no_wrap=True)
+    t.add_column("note", justify="left", overflow="fold", min_width=20)
     best = best_row(rows)
     for r in rows:
         if not r.ok:
-            t.add_row(r.schedule, r.strategy, str(r.vpp), f"[dim]{r.error}[/]", *[""] * 8)
+            t.add_row(r.schedule, r.strategy, str(r.vpp), *["-"] * 9, r.error, style="dim")
             continue
         mark = " *" if r is best else ""
         per = " ".join(_gib(b) for b in r.peak_device) if len(r.peak_device) <= 8 else (
@@ -172,7 +173,7 @@ def render_table(rows: list[Row], title: str | None = None) -> "Table":
         t.add_row(r.schedule + mark, r.strategy, str(r.vpp), f"{r.step_us / 1e3:.3f}", f"{r.ratio_to_bound:.3f}",
                   f"{r.bubble * 100:.1f}%", f"{r.exposed_ep_us / 1e3:.2f} ({r.exposed_ep_ratio * 100:.1f}%)",
                   f"{r.exposed_collective_us / 1e3:.2f} ({r.exposed_collective_ratio * 100:.1f}%)",
-                  _gib(r.peak_device_max), per, f"{r.p2p_bytes / 2**20:.1f}", f"{r.plan_s:.2f}")
+                  _gib(r.peak_device_max), per, f"{r.p2p_bytes / 2**20:.1f}", f"{r.plan_s:.2f}", "")
     t.caption = "* fastest k3 row; bubble and exposed comm are means over stages; x bound = step / lower bound"
     return t
 
