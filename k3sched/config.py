@@ -89,6 +89,9 @@ class ParallelConfig(_Section):
     """Data-parallel replicas of the PP x EP group (gradients reduce-scattered over dp)."""
     microbatches: int = Field(default=1, gt=0)
     """Micro-batches per training step."""
+    layer_split: Literal["balanced", "even"] = "balanced"
+    """How layers are split over virtual stages: balanced by compute time (embedding and head
+    counted) or even by count."""
     world_size: int | None = Field(default=None, gt=0)
     """Optional: the job's world size; must equal pp * ep * dp."""
 

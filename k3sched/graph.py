@@ -37,6 +37,54 @@ def placement_for(cfg: Config) -> Placement:
     return Placement(style, cfg.parallel.pp, cfg.parallel.vpp)
 
 
+def split_layers(cfg: Config) -> list[list[int]]:
+    """Layers of each virtual stage for ``parallel.layer_split``: ``even`` (as even as possible,
+    earlier vstages get the extra layer) or ``balanced`` (contiguous split minimising the largest
+    vstage compute time, counting the embedding on the first and the output head on the last
+    vstage, which may then hold no layer at all -- the way 61-layer models leave room for the head)."""
+    nv = cfg.parallel.pp * cfg.parallel.vpp
+    if cfg.parallel.layer_split == "even":
+        return layers_by_vstage(cfg.model.layers, nv)
+    cost = CostModel(cfg)
+    fwd = {False: (Kind.ATTN_FWD, Kind.MLP_FWD), True: (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.EXPERT_FWD)}
+    w = [sum(3 * cost.flops(k) for k in fwd[cfg.model.is_moe(L)]) for L in range(cfg.model.layers)]
+    head = sum(cost.flops(k) for k in (Kind.HEAD_FWD, Kind.HEAD_DX, Kind.HEAD_DW))
+    embed = sum(cost.flops(k) for k in (Kind.EMBED_FWD, Kind.EMBED_DW))
+    return _min_max_split(w, nv, first_extra=embed, last_extra=head)
+
+
+def _min_max_split(w: list[float], parts: int, first_extra: float, last_extra: float) -> list[list[int]]:
+    """Contiguous split of items ``w`` into ``parts`` groups minimising the largest group weight
+    (group 0 also carries ``first_extra``, the last group ``last_extra``). Inner groups hold at least
+    one item; the first and last may be empty. DP over (group, prefix), O(parts * n^2)."""
+    n = len(w)
+    pre = [0.0]
+    for x in w:
+        pre.append(pre[-1] + x)
+    inf = float("inf")
+    # best[g][i]: smallest max weight splitting items[:i] into groups 0..g; arg for reconstruction
+    best = [[inf] * (n + 1) for _ in range(parts)]
+    arg = [[0] * (n + 1) for _ in range(parts)]
+    for i in range(n + 1):
+        best[0][i] = first_extra + pre[i]
+    for g in range(1, parts):
+        last = g == parts - 1
+        extra = last_extra if last else 0.0
+        for i in ([n] if last else range(n + 1)):
+            for j in range(i + 1 if last else i):  # group g = items[j:i]; only the last may be empty
+                cand = max(best[g - 1][j], extra + pre[i] - pre[j])
+                if cand < best[g][i] - 1e-9:
+                    best[g][i], arg[g][i] = cand, j
+    out: list[list[int]] = []
+    i = n
+    for g in range(parts - 1, 0, -1):
+        j = arg[g][i]
+        out.append(list(range(j, i)))
+        i = j
+    out.append(list(range(0, i)))
+    return out[::-1]
+
+
 def layers_by_vstage(n_layers: int, n_vstages: int) -> list[list[int]]:
     """Contiguous, as even as possible; earlier vstages get the extra layer."""
     base, extra = divmod(n_layers, n_vstages)
@@ -92,7 +140,7 @@ class _Builder:
         self.unit: dict[str, Unit] = {}
         self.topo: dict[str, int] = {}
         self.start_deps: dict[str, list[str]] = {}
-        self.layers = layers_by_vstage(cfg.model.layers, self.nv)
+        self.layers = split_layers(cfg)
         self.offload_sets: dict[tuple[int, int, int], int] = {}
         self._saved = {k: self.cost.saved_bytes(k) for k in Kind}
         self._grad_out = {k: self.cost.grad_out_bytes(k) for k in Kind}

@@ -363,22 +363,41 @@ def path_bounds(g: StepGraph) -> tuple[float, dict[str, float], dict[str, float]
     return cp, head, tail
 
 
-def lower_bound_us(g: StepGraph) -> tuple[float, float, float]:
-    """(bound, critical path, max lane busy). Per (stage, lane): no task of the lane can start
-    before the earliest head among them, the lane must then run all its work one task at a time,
-    and the chain after its last task (at least the smallest tail among them) follows."""
-    cp, head, tail = path_bounds(g)
-    acc: dict[tuple[int, str], list[float]] = {}
-    for tid, t in g.tasks.items():
-        a = acc.get((t.stage, t.lane))
-        if a is None:
-            acc[(t.stage, t.lane)] = [head[tid], t.duration_us, tail[tid]]
+def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:
+    """Makespan of the optimal preemptive one-machine schedule of jobs (release, duration, tail):
+    run the released job with the longest tail (Jackson's rule). It is a lower bound on any
+    non-preemptive schedule of the same jobs on that machine."""
+    jobs = sorted(jobs)
+    ready: list[tuple[float, float, int]] = []  # (-tail, remaining, index)
+    t, i, best, n = 0.0, 0, 0.0, len(jobs)
+    while i < n or ready:
+        if not ready and t < jobs[i][0]:
+            t = jobs[i][0]
+        while i < n and jobs[i][0] <= t:
+            heapq.heappush(ready, (-jobs[i][2], jobs[i][1], i))
+            i += 1
+        negq, rem, j = heapq.heappop(ready)
+        nxt = jobs[i][0] if i < n else float("inf")
+        run = min(rem, nxt - t)
+        t += run
+        if rem - run > 1e-12:
+            heapq.heappush(ready, (negq, rem - run, j))
         else:
-            a[0] = min(a[0], head[tid])
-            a[1] += t.duration_us
-            a[2] = min(a[2], tail[tid])
-    busy = max((a[1] for a in acc.values()), default=0.0)
-    bound = max([cp] + [a[0] + a[1] + a[2] for a in acc.values()])
+            best = max(best, t - negq)
+    return best
+
+
+def lower_bound_us(g: StepGraph) -> tuple[float, float, float]:
+    """(bound, critical path, max lane busy). Each task gets its earliest start (head) and the
+    chain that must follow it (tail) from the DAG; each (stage, lane) runs one task at a time, so
+    the optimal preemptive schedule of its tasks with those heads and tails (Jackson's rule) bounds
+    the step from below; so does the critical path."""
+    cp, head, tail = path_bounds(g)
+    jobs: dict[tuple[int, str], list[tuple[float, float, float]]] = defaultdict(list)
+    for tid, t in g.tasks.items():
+        jobs[(t.stage, t.lane)].append((head[tid], t.duration_us, tail[tid]))
+    busy = max((sum(j[1] for j in js) for js in jobs.values()), default=0.0)
+    bound = max([cp] + [_jackson_preemptive(js) for js in jobs.values()])
     return bound, cp, busy
 
 

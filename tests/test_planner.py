@@ -195,3 +195,33 @@ def test_plan_metrics_for_k2_like_full_step():
     assert max(m["peak_device_bytes"]) <= cfg.budget_bytes
     assert m["step_time_us"] < plan(cfg, "serial").metrics["step_time_us"]
     json.loads(dumps_plan(p))
+
+
+def test_balanced_layer_split_leaves_room_for_the_head():
+    from k3sched.graph import _min_max_split, split_layers
+
+    cfg = load_config(CONFIGS / "k2-like.yaml")
+    split = split_layers(cfg)
+    assert sum(map(len, split)) == 61 and [L for part in split for L in part] == list(range(61))
+    assert split[-1] == []  # the output head alone costs as much as two layers
+    even = load_config(CONFIGS / "k2-like.yaml", ["parallel.layer_split=even"])
+    assert [len(p) for p in split_layers(even)] == [2] * 29 + [1] * 3
+    assert plan(cfg).metrics["step_time_us"] < plan(even).metrics["step_time_us"]
+    # brute force agrees with the DP on a small case
+    import itertools
+
+    w, parts = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0], 3
+    got = _min_max_split(w, parts, first_extra=2.0, last_extra=6.0)
+    cost = lambda s: max(sum(w[i] for i in g) + (2.0 if k == 0 else 0) + (6.0 if k == parts - 1 else 0)  # noqa: E731
+                         for k, g in enumerate(s))
+    best = min(cost([range(0, a), range(a, b), range(b, len(w))])
+               for a, b in itertools.combinations(range(len(w) + 1), 2) if a < b)
+    assert cost(got) == best
+
+
+def test_lower_bound_is_jackson_preemptive_bound():
+    from k3sched.planner import _jackson_preemptive
+
+    # two jobs released at 0 and 1: run the long-tail one first, preempting
+    assert _jackson_preemptive([(0.0, 4.0, 0.0), (1.0, 1.0, 10.0)]) == 12.0
+    assert _jackson_preemptive([(0.0, 2.0, 1.0)]) == 3.0
