@@ -185,22 +185,24 @@ class Executor:
 
     ``lanes``: ordered tasks per lane (:func:`stage_lanes`). ``handlers``: kind -> callable(task).
     ``device``: a torch device; CUDA streams are used when it is a CUDA device. ``perturb``:
-    (lane, index or None) swaps two tasks of that lane (default from env ``K3SCHED_PERTURB``).
+    (lane, index or None) swaps two tasks of that lane; ``"env"`` (default) reads
+    ``K3SCHED_PERTURB``; None: no swap.
     ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
     that the plan may leave implicit). ``nvtx``: push an NVTX range per task.
     """
 
     def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
-                 stage: int = 0, device=None, perturb: tuple[str, int | None] | None = None,
+                 stage: int = 0, device=None, perturb: tuple[str, int | None] | str | None = "env",
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
                  nvtx: bool = True) -> None:
         self.rank, self.stage = rank, stage
         self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
-        if perturb is None:
+        if perturb == "env":
             perturb = parse_perturb(os.environ.get(PERTURB_ENV))
         self.perturbed = perturb_lanes(self.lanes, *perturb) if perturb else None
         self.handlers = dict(handlers)
         self.dep_timeout_s = dep_timeout_s
+        self.abort_grace_s = 2.0
         self.use_nvtx = nvtx and _nvtx is not None
         self.tasks = {t.id: t for ts in self.lanes.values() for t in ts}
         prefix = f"s{stage}/"
@@ -334,8 +336,18 @@ class Executor:
         t0 = time.perf_counter()
         for lane in LANES:
             self._go[lane].release()
-        for _ in LANES:
-            self._finished.acquire()
+        pending = len(LANES)
+        abort_deadline = None
+        while pending:
+            if self._finished.acquire(timeout=0.05):
+                pending -= 1
+            elif st.abort.is_set():
+                # a lane failed; the others stop at their next wait, but one may sit in a collective
+                # that will never finish (its peer failed too): give up on it after a grace period
+                abort_deadline = abort_deadline or time.monotonic() + self.abort_grace_s
+                if time.monotonic() > abort_deadline:
+                    self._closed = True  # lane threads are daemons; this executor is done
+                    break
         if cuda is not None:
             import torch
 
@@ -360,8 +372,9 @@ class Executor:
         self._state = None
         for lane, sem in self._go.items():
             sem.release()
+        deadline = time.monotonic() + 2.0  # a lane stuck in a dead collective is a daemon: leave it
         for th in self._threads.values():
-            th.join(timeout=5)
+            th.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Executor:
         return self

@@ -104,7 +104,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     from k3sched.planner import InfeasibleBudget, plan
     from k3sched.render import plan_to_json
 
-    from .executor import Executor, stage_lanes
+    from .executor import PERTURB_ENV, Executor, parse_perturb, perturb_lanes, stage_lanes
     from .groups import Layout, build_groups, verify_orders, verify_same_plan
     from .stage import StageRunner, StageSpec
 
@@ -150,9 +150,12 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
                          fail_task=fail_task)
     runner.bind_plan(lanes)
+    perturb = parse_perturb(os.environ.get(PERTURB_ENV))
+    perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
-    ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device,
+    ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device, perturb=None,
                   extra_deps=runner.extra_deps(lanes), dep_timeout_s=args.timeout)
+    ex.perturbed = perturbed
     M, R = p.microbatches, p.ep * p.dp
     tokens_per_step = M * R * cfg.model.micro_batch_size * cfg.model.seq_len
     predicted_us = float(doc["metrics"]["step_time_us"])

@@ -1,0 +1,54 @@
+"""Run a one-rank plan (pp = ep = dp = 1) in this process, without torch.distributed: the
+executor, the stage runner and the trace, as the ranks of a launched run use them. For tests,
+benchmarks and debugging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3sched.config import Config
+from k3sched.planner import plan
+from k3sched.render import plan_to_json
+
+from .executor import Executor, StepRecord, stage_lanes
+from .groups import Layout, build_groups
+from .stage import StageRunner, StageSpec
+
+
+@dataclass
+class LocalRun:
+    plan: dict
+    losses: list[float] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] | None = None  # step 0, before AdamW
+    records: list[StepRecord] = field(default_factory=list)
+    traces: list[dict] = field(default_factory=list)
+
+
+def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int | None = None, lr: float = 1e-3,
+              weight_decay: float = 0.01, perturb=None, capture_grads: bool = False) -> LocalRun:
+    """Train ``steps`` steps of a one-rank config in-process; returns losses, grads and traces."""
+    p = cfg.parallel
+    if p.world != 1:
+        raise ValueError(f"local_run needs a one-rank config (pp*ep*dp = 1); got {p.pp}*{p.ep}*{p.dp}")
+    seed = cfg.schedule.seed if seed is None else seed
+    doc = plan_to_json(plan(cfg, strategy))
+    lanes = stage_lanes(doc, 0)
+    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=seed, lr=lr,
+                         weight_decay=weight_decay)
+    runner.bind_plan(lanes)
+    run = LocalRun(doc)
+    with Executor(lanes, runner.handlers(), perturb=perturb, extra_deps=runner.extra_deps(lanes),
+                  dep_timeout_s=60.0) as ex:
+        for step in range(steps):
+            runner.capture_grads = capture_grads and step == 0
+            runner.begin_step(step)
+            rec = ex.run_step(step)
+            run.losses.append(runner.end_step() / p.microbatches)
+            if runner.captured is not None:
+                run.grads, runner.captured = runner.captured, None
+            run.records.append(rec)
+            run.traces.append(ex.chrome_trace(rec, plan_step_time_us=doc["metrics"]["step_time_us"],
+                                              t0_us=min(t.start_us for t in rec.timings)))
+    return run
