@@ -75,13 +75,17 @@ def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:
             for lane in LANES}
 
 
-def parse_perturb(spec: str | None) -> tuple[str, int | None] | None:
-    """``"lane"`` or ``"lane:i"`` (swap tasks i and i+1 of the lane) -> (lane, i); None/'' -> None."""
+def parse_perturb(spec: str | None, rank: int | None = None) -> tuple[str, int | None] | None:
+    """``LANE[:I][@RANK]`` -> (lane, i): swap tasks i and i+1 of the lane (the first independent
+    pair without ``:I``), on rank RANK only when given. None/'' (or another rank) -> None."""
     if not spec:
         return None
+    spec, _, only = spec.partition("@")
     lane, _, idx = spec.partition(":")
     if lane not in LANES:
         raise ValueError(f"{PERTURB_ENV}={spec!r}: lane must be one of {', '.join(LANES)}")
+    if only and rank is not None and int(only) != rank:
+        return None
     return lane, (int(idx) if idx else None)
 
 
@@ -198,7 +202,7 @@ class Executor:
         self.rank, self.stage = rank, stage
         self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
         if perturb == "env":
-            perturb = parse_perturb(os.environ.get(PERTURB_ENV))
+            perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
         self.perturbed = perturb_lanes(self.lanes, *perturb) if perturb else None
         self.handlers = dict(handlers)
         self.dep_timeout_s = dep_timeout_s

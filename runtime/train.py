@@ -150,7 +150,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
                          fail_task=fail_task)
     runner.bind_plan(lanes)
-    perturb = parse_perturb(os.environ.get(PERTURB_ENV))
+    perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
     perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device, perturb=None,

@@ -113,6 +113,7 @@ def test_perturb_swaps_an_independent_pair():
     assert perturb_lanes(lanes, "compute", None) == (b.id, c.id)  # (a, b) dependent: skipped
     assert [t.id for t in lanes["compute"]] == [a.id, c.id, b.id]
     assert parse_perturb("ep:3") == ("ep", 3) and parse_perturb("") is None
+    assert parse_perturb("ep:3@1", rank=0) is None and parse_perturb("ep@1", rank=1) == ("ep", None)
     with pytest.raises(ValueError, match="lane must be one of"):
         parse_perturb("gpu")
 

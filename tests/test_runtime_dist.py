@@ -1,0 +1,143 @@
+"""Multi-process runtime tests (gloo, CPU) through ``runtime.launch.run_command`` (torchrun):
+EP numerics vs the single-process reference, PP 2 x EP 2 training vs the reference, traces,
+start-up order check, failing rank, user errors. Every launch has a wall-clock limit and
+run_command kills the launched process group, so no test can hang or leave processes behind."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from k3sched.config import load_config
+from runtime.launch import run_command
+from runtime.reference import reference_run
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny-cpu.yaml"
+LIMIT_S = 150.0
+EP2 = ["parallel.pp=1", "parallel.ep=2", "parallel.microbatches=2", "model.layers=2", "model.seq_len=16",
+       "model.micro_batch_size=1"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _run(out: Path, overrides: list[str], steps: int, **kw) -> int:
+    return run_command(TINY, overrides, steps, None, out, False, None, timeout_s=LIMIT_S, quiet=True, **kw)
+
+
+def _leftovers(marker: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """The tiny config as shipped (PP 2 x EP 2, 4 ranks), 3 steps."""
+    out = tmp_path_factory.mktemp("tiny")
+    assert _run(out, [], 3) == 0
+    return out
+
+
+def test_ep2_matches_reference_loss_and_gradients(tmp_path):
+    assert _run(tmp_path, EP2, 1, extra_args=["--dump-grads"]) == 0
+    cfg = load_config(TINY, EP2)
+    ref = reference_run(cfg, 1)
+    loss = json.loads((tmp_path / "summary.json").read_text())["losses"][0]
+    assert loss == pytest.approx(ref.losses[0], rel=1e-5)
+    E, ep = cfg.model.experts, 2
+    for r in range(ep):
+        got = torch.load(tmp_path / f"grads_rank{r}.pt")
+        assert got.keys() == ref.grads.keys()
+        for name, g in ref.grads.items():
+            if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3"):
+                g = g[r * E // ep:(r + 1) * E // ep]
+            err = (got[name] - g).norm() / g.norm().clamp_min(1e-30)
+            assert err <= 1e-5, f"rank {r} {name}: relative error {err:.3g}"
+
+
+def test_pp2_ep2_trains_like_the_reference(tiny_run):
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    ref = reference_run(load_config(TINY), 3)
+    assert summary["losses"] == pytest.approx(ref.losses, rel=1e-5, abs=0)
+    assert summary["losses"][-1] < summary["losses"][0]
+    assert summary["predicted_step_time_us"] > 0 and summary["measured_step_time_us"] > 0
+    assert len(summary["step_time_s"]) == 3 and len(summary["tokens_per_s"]) == 3
+
+
+def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):
+    plan = json.loads((tiny_run / "plan.json").read_text())
+    assert plan["format"] == "k3sched.plan/1"
+    for rank in range(4):
+        trace = json.loads((tiny_run / f"trace_rank{rank}.json").read_text())
+        other = trace["otherData"]
+        assert other["format"] == "k3sched.trace/1" and other["rank"] == rank
+        stage = rank // 2  # ep innermost: ranks 0, 1 hold stage 0
+        assert other["stage"] == stage
+        planned = {t["id"]: lane for lane, ts in plan["stages"][stage]["lanes"].items() for t in ts}
+        lane_of_tid = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        names = [e["name"] for e in xs]
+        assert len(names) == len(set(names)) and set(names) == set(planned)
+        for e in xs:
+            assert e["pid"] == rank and e["args"]["lane"] == planned[e["name"]] == lane_of_tid[e["tid"]]
+            assert e["dur"] >= 0 and e["ts"] >= 0
+        # each lane ran in plan order
+        for lane, ts in plan["stages"][stage]["lanes"].items():
+            ran = [e["name"] for e in sorted(xs, key=lambda e: e["ts"]) if e["args"]["lane"] == lane]
+            assert ran == [t["id"] for t in ts]
+
+
+def test_failing_rank_stops_every_rank_with_one_clear_line(tmp_path, capfd):
+    t0 = time.monotonic()
+    rc = _run(tmp_path, ["parallel.pp=2", "parallel.ep=1", "parallel.microbatches=2", "model.seq_len=16",
+                         "model.micro_batch_size=1"], 2, env={"K3SCHED_FAIL_RANK": "1"})
+    took = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert rc == 1
+    assert took < 60, f"took {took:.0f} s"
+    last = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert last and "rank 1" in last[-1] and "injected failure (K3SCHED_FAIL_RANK=1)" in last[-1], err[-2000:]
+    assert "task s1/" in last[-1]
+    assert not _leftovers(str(tmp_path)), "processes left behind"
+
+
+def test_comm_lane_perturbation_fails_fast_naming_the_mismatch(tmp_path, capfd):
+    # swapping the collective lane's first two tasks (act.send mb0, mb1) on rank 0 only breaks
+    # the order stage 1 receives in: the start-up check names it before any step runs
+    rc = _run(tmp_path, ["parallel.pp=2", "parallel.ep=1", "parallel.microbatches=2", "model.seq_len=16",
+                         "model.micro_batch_size=1"], 1, env={"K3SCHED_PERTURB": "collective:0@0"})
+    err = capfd.readouterr().err
+    assert rc == 1
+    line = [ln for ln in err.splitlines() if ln.startswith("error: ")][-1]
+    assert "pp group: transfer #0 from stage" in line, err[-2000:]
+    assert not _leftovers(str(tmp_path))
+
+
+def test_user_error_exits_2_before_launch(tmp_path, capfd):
+    assert _run(tmp_path, ["parallel.ep=3"], 1) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "parallel.ep" in err[0]
+    assert not list(tmp_path.iterdir())
+    assert run_command(TINY, [], 1, 3, tmp_path, False, None) == 2
+    assert "needs pp*ep*dp" in capfd.readouterr().err
+    assert _run(tmp_path, ["schedule.grad_offload=true"], 1) == 2
+    assert "schedule.grad_offload" in capfd.readouterr().err
