@@ -112,6 +112,32 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def nsys_import(prefix: Path, timeout_s: float = 300.0) -> Path:
+    """Turn ``PREFIX.qdstrm`` (nsys 2022.4 cannot import it itself) into ``PREFIX.nsys-rep`` and
+    export ``PREFIX.sqlite``; returns the sqlite path. Raises RuntimeError (one line)."""
+    import shutil
+
+    from traces.nsys import QDSTRM_IMPORTER
+
+    rep, qd, sql = (prefix.with_name(prefix.name + ext) for ext in (".nsys-rep", ".qdstrm", ".sqlite"))
+    steps = []
+    if not rep.exists():
+        importer = QDSTRM_IMPORTER if Path(QDSTRM_IMPORTER).exists() else shutil.which("QdstrmImporter")
+        if not qd.exists() or importer is None:
+            raise RuntimeError(f"{prefix}: nsys left no {rep.name}, and {qd.name} or QdstrmImporter is missing")
+        steps.append(("QdstrmImporter", [importer, "-i", str(qd)]))
+    steps.append(("nsys export", ["nsys", "export", "--type", "sqlite", "--force-overwrite=true", "-o", str(sql),
+                                  str(rep)]))
+    for name, cmd in steps:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if p.returncode != 0:
+            last = (p.stderr.strip().splitlines() or p.stdout.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{prefix}: {name} failed (exit {p.returncode}): {last}")
+    if not sql.exists():
+        raise RuntimeError(f"{rep}: nsys export produced no {sql.name}")
+    return sql
+
+
 def first_error(out_dir: Path) -> str | None:
     """The earliest one-line rank error written under ``out_dir`` (the root cause, usually)."""
     lines = []
@@ -163,6 +189,14 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         return 130
     finally:
         kill_group(proc)
+    if rc == 0 and nsys:
+        try:
+            sql = nsys_import(out / "profile")
+        except RuntimeError as e:
+            _err(str(e))
+            return 1
+        if not quiet:
+            print(f"wrote {sql} (NVTX ranges named by task id; `k3sched validate` reads it)", flush=True)
     if rc != 0:
         line = first_error(out)
         _err(line or f"torchrun exited with status {rc} (no rank reported an error; see the output above)")

@@ -141,3 +141,22 @@ def test_user_error_exits_2_before_launch(tmp_path, capfd):
     assert "needs pp*ep*dp" in capfd.readouterr().err
     assert _run(tmp_path, ["schedule.grad_offload=true"], 1) == 2
     assert "schedule.grad_offload" in capfd.readouterr().err
+
+
+@pytest.mark.skipif(__import__("shutil").which("nsys") is None, reason="needs nsys (Debian nsight-systems)")
+def test_nsys_records_one_nvtx_range_per_task_on_the_lane_threads(tmp_path):
+    from traces.nsys import read_nsys_sqlite
+
+    rc = run_command(TINY, EP2, 1, None, tmp_path, True, None, timeout_s=LIMIT_S, quiet=True)
+    assert rc == 0
+    table = read_nsys_sqlite(tmp_path / "profile.sqlite")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    planned = {t["id"]: lane for lane, ts in plan["stages"][0]["lanes"].items() for t in ts}
+    for rank in range(2):
+        trace = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
+        tid_of = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        names = [str(n) for n, t in zip(table.name, table.tid) if int(t) in tid_of.values()]
+        assert sorted(names) == sorted(planned)  # each task once, pushed on a lane thread of this rank
+        for n, t in zip(table.name, table.tid):
+            if int(t) in tid_of.values():
+                assert tid_of[planned[str(n)]] == int(t)
