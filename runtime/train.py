@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dump-grads", action="store_true", help="write grads_rank{R}.pt (step 0, before AdamW)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo even when CUDA is present")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     return ap.parse_args(argv)
 
 
@@ -104,9 +105,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     from k3sched.planner import InfeasibleBudget, plan
     from k3sched.render import plan_to_json
 
-    from .executor import PERTURB_ENV, Executor, parse_perturb, perturb_lanes, stage_lanes
-    from .groups import Layout, build_groups, verify_orders, verify_same_plan
-    from .stage import StageRunner, StageSpec
+    from runtime.executor import PERTURB_ENV, Executor, parse_perturb, perturb_lanes, stage_lanes
+    from runtime.groups import Layout, build_groups, verify_orders, verify_same_plan
+    from runtime.stage import StageRunner, StageSpec
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -224,4 +225,6 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run as a file (``deepspeed runtime/train.py ...``): make the packages importable
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())
