@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -409,6 +410,7 @@ class Executor:
                            "dur": round(max(0.0, t.end_us - t.start_us), 3), "pid": self.rank, "tid": tids[t.lane],
                            "args": {"lane": t.lane, "stage": self.stage, "step": record.step, "bytes": task.bytes}})
         other = {"format": TRACE_FORMAT, "rank": self.rank, "stage": self.stage, "step": record.step,
+                 "clock": "cuda-events" if self._cuda is not None else "monotonic", "host": socket.gethostname(),
                  "plan_step_time_us": plan_step_time_us, "measured_step_time_us": record.wall_s * 1e6}
         if self.perturbed:
             other["perturbed"] = list(self.perturbed)
