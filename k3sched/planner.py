@@ -107,6 +107,7 @@ class _Prepared:
     p2p: list[bool]
     background: list[bool]
     dur: list[float]
+    feeds_main: list[bool]  # a non-compute task whose end a main compute task of its stage waits on
 
 
 _MAX_SLOT = 1 << 30
@@ -143,7 +144,8 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
         for d in sd:
             ssucc[index[d]].append(i)
         nsdeps.append(len(sd))
-    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, [], wgrad, main, p2p, bg, dur)
+    feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
+    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, [], wgrad, main, p2p, bg, dur, feeds)
 
 
 def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
@@ -156,7 +158,10 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
     nlanes = len(LANES)
     stage_of, slot, succ, ssucc, dur = prep.stage, prep.slot, prep.succ, prep.ssucc, prep.dur
     is_main, is_p2p, is_bg = prep.main, prep.p2p, prep.background
-    res = [st if serial else st * nlanes + ln for st, ln in zip(stage_of, prep.lane)]
+    # Resource ids: communication and copy lanes before compute, so a compute decision at an
+    # instant sees the transfers that start at that instant (gap-aware WGrad fill).
+    nstages = g.cfg.parallel.pp
+    res = [st if serial else ((ln - 1) % nlanes) * nstages + st for st, ln in zip(stage_of, prep.lane)]
     lag = 0 if serial else wgrad_lag
     key = []
     for i in range(n):
@@ -206,6 +211,34 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
     start_t = [0.0] * n
     end_t = [0.0] * n
 
+    # [Note: gap-aware WGrad fill] A WGrad task fills compute idle time only if the idle gap it fills
+    # (until the earliest in-flight transfer that a backbone (main) compute task of the stage waits
+    # on ends) is at least as long as the delay it causes past that point (duration <= 2 x gap);
+    # else another WGrad that qualifies is taken, or the lane waits. An overdue WGrad (more than
+    # `wgrad_lag` slots behind the first unfinished slot) is never held back.
+    is_w, feeds = prep.wgrad, prep.feeds_main
+    feeding: list[list[float]] = [[] for _ in range(nstages)]
+    res_compute = [st if serial else (nlanes - 1) * nstages + st for st in range(nstages)]
+
+    def _pick_fill(q: list[tuple[int, int]], top: int, t_now: float, st: int) -> int:
+        fq = feeding[st]
+        while fq and fq[0] <= t_now:
+            heappop(fq)
+        gs = gate_slots[st]
+        first_open = gs[gate_pos[st]] if gate_pos[st] < len(gs) else _MAX_SLOT
+        gap = fq[0] - t_now if fq else float("inf")
+        if dur[top] <= 2 * gap or slot[top] + lag < first_open:
+            heappop(q)
+            return top
+        best = -1
+        for k_, j in q:
+            if is_w[j] and dur[j] <= 2 * gap and (best < 0 or k_ < key[best]):
+                best = j
+        if best >= 0:
+            q.remove((key[best], best))
+            heapq.heapify(q)
+        return best
+
     def make_ready(i: int) -> None:
         st = stage_of[i]
         if is_main[i] and slot[i] > gates[st]:
@@ -243,13 +276,20 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
             i = q[0][1]
             if is_bg[i] and imminent[r] and not serial:
                 continue  # a P2P transfer is about to become ready: keep the lane for it
-            heappop(q)
+            if is_w[i] and not serial:
+                i = _pick_fill(q, i, now, stage_of[i])
+                if i < 0:
+                    continue  # every WGrad would delay the backbone task about to become ready
+            else:
+                heappop(q)
             busy[r] = True
             orders[r].append(i)
             started += 1
             heappush(events, (now + dur[i], seq, i))
             seq += 1
             start_t[i] = now
+            if feeds[i]:
+                heappush(feeding[stage_of[i]], now + dur[i])
             if is_p2p[i]:
                 imminent[r] -= 1
             for j in succ[i]:
@@ -284,6 +324,7 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
             end_t[i] = now
             busy[res[i]] = False
             pending.add(res[i])
+            pending.add(res_compute[stage_of[i]])  # a fill decision may change now
             for j in succ[i]:
                 npending[j] -= 1
                 if npending[j] == 0:
