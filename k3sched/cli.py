@@ -21,7 +21,7 @@ from .config import ConfigError, load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="k3sched: plan, run and check a five-lane (compute, EP, collective, local and remote "
                        "offload) co-schedule of one MoE training step.")
-console = Console(width=max(150, shutil.get_terminal_size((150, 24)).columns))
+console = Console(width=max(180, shutil.get_terminal_size((180, 24)).columns))
 err_console = Console(stderr=True)
 
 
@@ -106,6 +106,9 @@ def plan(
     torch_csv: Optional[Path] = typer.Option(None, help="Also write the compute order as a torch.distributed."
                                                         "pipelining action CSV."),
     from_torch_csv: Optional[Path] = typer.Option(None, help="Plan with this torch pipelining CSV as backbone."),
+    exact: bool = typer.Option(False, help="Also solve the lane placement exactly with CP-SAT (small instances: "
+                                           "up to ~3000 tasks) and print the heuristic's gap."),
+    exact_time_limit: float = typer.Option(20.0, help="CP-SAT time limit for --exact, seconds."),
 ) -> None:
     """Predict step time, bubbles, exposed communication and memory of one training step."""
     cfg = _load(config, set_)
@@ -143,6 +146,34 @@ def plan(
 
         torch_csv.write_text((sched or backbone(cfg)).to_torch_csv(), newline="")
         console.print(f"wrote {torch_csv}", highlight=False)
+    if exact:
+        from .exact import exact_report
+
+        try:
+            rep = exact_report(p.cfg, p, time_limit_s=exact_time_limit)
+        except ValueError as e:
+            fail(f"--exact: {e}")
+        ref = "optimum" if rep["status"] == "OPTIMAL" else "CP-SAT bound"
+        console.print(f"exact ({rep['status']}, {rep['num_tasks']} tasks, {rep['wall_s']:.1f} s): best "
+                      f"{rep['best_us'] / 1e3:.3f} ms, bound {rep['bound_us'] / 1e3:.3f} ms; heuristic "
+                      f"{rep['heuristic_us'] / 1e3:.3f} ms, gap {rep['gap'] * 100:.2f}% vs {ref}", highlight=False)
+
+
+@app.command()
+def compare(
+    config: Path = typer.Argument(..., help="YAML config."),
+    schedules: Optional[str] = typer.Option(None, help="Comma-separated pipelines (default: every one the "
+                                                       "config's shape supports)."),
+    out: Optional[Path] = typer.Option(None, help="Write each plan.json, compare.json and one PNG with the "
+                                                  "timelines stacked."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE."),
+) -> None:
+    """Plan one config under every pipeline schedule (k3) and serial; print a comparison table."""
+    from .compare import compare_command
+
+    _load(config, set_)
+    names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else None
+    raise typer.Exit(compare_command(config, names, out, set_, console))
 
 
 @app.command()
