@@ -177,6 +177,26 @@ def compare(
 
 
 @app.command()
+def run(
+    config: Path = typer.Argument(..., help="YAML config (sections model, parallel, hardware, schedule)."),
+    out: Path = typer.Option(Path("out/run"), help="Output directory: plan.json, trace_rank{R}.json, summary.json."),
+    steps: int = typer.Option(3, help="Training steps."),
+    nproc: Optional[int] = typer.Option(None, help="Local ranks (default: pp*ep*dp of the config; must match)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE (repeatable)."),
+    strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
+    nsys: bool = typer.Option(False, help="Record NVTX ranges with Nsight Systems (DIR/profile.*) and validate."),
+    timeout: Optional[float] = typer.Option(None, help="Wall-clock limit of the whole run, seconds."),
+) -> None:
+    """Train STEPS steps of the config for real under torchrun (gloo on CPU, NCCL on GPU), following
+    the plan on five lanes; write plan.json, per-rank traces and a summary into OUT."""
+    if strategy is not None and strategy not in ("k3", "serial"):
+        fail(f"--strategy: must be k3 or serial; got {strategy!r}")
+    from runtime.launch import run_command  # imports torch: only when a run is asked for
+
+    raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout))
+
+
+@app.command()
 def validate(
     traces: List[Path] = typer.Argument(..., help="Recorded traces: runtime Chrome JSON, Kineto JSON(.gz), nsys "
                                                    "SQLite."),
