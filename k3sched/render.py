@@ -180,11 +180,19 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
                 y += 1
         ax.set_yticks(yt)
         ax.set_yticklabels(yl, fontsize=6)
+        if k == 0:
+            from matplotlib.patches import Patch
+
+            legend = [("F", "forward"), ("B", "backward dX"), ("W", "WGrad"), ("D", "dispatch/combine"),
+                      ("d", "a2a backward"), (">", "P2P"), ("G", "grad reduce-scatter"), ("o", "offload"),
+                      ("n", "onload"), ("O", "remote offload")]
+            ax.legend(handles=[Patch(color=colors[g], label=lbl) for g, lbl in legend], fontsize=6, ncol=10,
+                      loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False)
         ax.invert_yaxis()
         ax.set_xlim(0, plan.metrics["step_time_us"] / 1e3)
         title = titles[k] if titles else f"{plan.strategy} / {plan.pipeline}"
         ax.set_title(f"{title}: step {plan.metrics['step_time_us'] / 1e3:.2f} ms "
-                     f"(lower bound {plan.metrics['lower_bound_us'] / 1e3:.2f} ms)", fontsize=9)
+                     f"(lower bound {plan.metrics['lower_bound_us'] / 1e3:.2f} ms)", fontsize=9, loc="left")
         for s in range(pp):
             tl = plan.memory.get((s, "device"))
             if tl is not None and len(tl.times_us):
