@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3sched.config import Config
-from k3sched.graph import layers_by_vstage, placement_for
+from k3sched.graph import placement_for, split_layers
 from k3sched.tasks import LANES, Kind
 from moe import INTRA_LAYER_DEPS, LayerCtx, MicroBatch, MoEModel, MoEModelArgs, init_full_state
 
@@ -79,9 +79,13 @@ class StageSpec:
         pl = placement_for(cfg)
         nv = pl.num_stages
         located = [pl.locate(v) for v in range(nv)]
-        layers = layers_by_vstage(cfg.model.layers, nv)
+        layers = split_layers(cfg)  # the planner's split (a vstage may hold no layer, e.g. head only)
         return cls(stage, nv, {c: v for v, (r, c) in enumerate(located) if r == stage},
                    tuple(r for r, _ in located), tuple(tuple(ls) for ls in layers))
+
+    def input_index(self, v: int) -> int:
+        """Index in ``MicroBatch.acts`` / ``grads`` of vstage ``v``'s input (its layers' count before it)."""
+        return sum(len(ls) for ls in self.vstage_layers[:v])
 
     @property
     def layers(self) -> list[int]:
@@ -344,8 +348,10 @@ class StageRunner:
         grad_y = self._up.pop((t.mb, t.layer + 1))
         lc.add_grad_xn(lc.shared.backward_dx({"out": grad_y.reshape(-1, grad_y.shape[-1])})["xn"])
 
-    def _chunk_layers(self, t: PlanTask) -> tuple[int, ...]:
-        return self.spec.vstage_layers[self.spec.chunk_vstage[t.chunk]]
+    def _boundaries(self, t: PlanTask) -> tuple[int, int]:
+        """(input index, output index) in acts/grads of the task's chunk."""
+        v = self.spec.chunk_vstage[t.chunk]
+        return self.spec.input_index(v), self.spec.input_index(v + 1)
 
     def _tag(self, key: list) -> int:
         d, mb, src, dst = key
@@ -354,8 +360,8 @@ class StageRunner:
     def _send(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
         mb = self.mbs[t.mb]
-        layers = self._chunk_layers(t)
-        idx = layers[-1] + 1 if t.kind is Kind.FWD_SEND else layers[0]
+        first, out = self._boundaries(t)
+        idx = out if t.kind is Kind.FWD_SEND else first
         buf = mb.acts[idx] if t.kind is Kind.FWD_SEND else mb.grads[idx]
         if buf is None:
             raise RuntimeError(f"nothing to send: {'acts' if t.kind is Kind.FWD_SEND else 'grads'}[{idx}] is empty")
@@ -371,15 +377,14 @@ class StageRunner:
     def _recv(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
         mb = self.mbs[t.mb]
-        layers = self._chunk_layers(t)
+        first, out = self._boundaries(t)
         buf = torch.empty(self.act_shape, dtype=self.args.torch_dtype, device=self.device)
         dist.irecv(buf, src=self.groups.pp_rank(peer), group=self.groups.pp, tag=self._tag(key)).wait()
         if t.kind is Kind.FWD_RECV:
-            mb.acts[layers[0]] = buf
+            mb.acts[first] = buf
         else:
-            idx = layers[-1] + 1
-            mb.grads[idx] = buf
-            self._keep_up(t.mb, idx, buf)
+            mb.grads[out] = buf
+            self._keep_up(t.mb, out, buf)
 
     def _layer_buckets(self, t: PlanTask) -> list[list[tuple[str, nn.Parameter]]]:
         block = self.model.layers[t.layer]
