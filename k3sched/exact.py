@@ -1,30 +1,49 @@
 """Exact lane placement for small instances (OR-Tools CP-SAT): how far is the heuristic from optimal?
 
 The model takes the same task DAG the list scheduler places (``graph.build_step(cfg)``, without
-activation offload tasks) and asks for the shortest step under the lane rules only:
+activation offload tasks) and asks for the shortest step under the lane rules:
 
 * one fixed-size interval per task; integer durations are the task's µs scaled by
   ``scale`` (default 100: 10 ns resolution) and rounded *up*;
 * NoOverlap per (stage, lane) resource (a lane runs one task at a time);
 * ``end(dep) <= start(task)`` for every dependency; ``graph.start_deps`` are start-to-start
   (``start(trigger) <= start(task)``);
+* in ``backbone`` mode (the default), the pipeline schedule's slot gate on the compute lane (see
+  [Note: backbone-constrained mode]);
 * minimise the makespan, bounded above by the heuristic's makespan (its lane orders re-timed with
   the rounded durations, which is a feasible solution given to CP-SAT as a hint).
 
+[Note: backbone-constrained mode]
+The issue asks for the exact *lane placement of a plan*: the optimum given the chosen pipeline
+schedule. ``mode="backbone"`` constrains the compute lane the way the heuristic's slot gate does
+(``planner._list_schedule``): per rank, the *main* compute tasks (compute lane, not WGrad, not
+optim; slot from ``planner._slot_index`` of the backbone and the graph's ``unit`` map, exactly as
+``planner._prepare`` assigns it) are grouped by slot G_0, G_1, ... (slots with main tasks, in
+order); a task of G_p may start only once every task of G_0..G_{p-1-lookahead} has started. It is
+written as the linear constraints ``start(t) >= start(u)`` for t in G_p and u in
+G_{p-1-lookahead-j}, j = 0..lookahead: by induction on p they imply the gate on every earlier group.
+WGrad, optimizer and non-compute tasks (EP all-to-alls, P2P, collectives) are free, so the
+model still chooses when each dW fills the compute lane and how transfers interleave.
+``lookahead`` is the one the plan used (``schedule.lookahead``; 0 for serial or memory-lean plans).
+Any schedule the heuristic produces on that backbone satisfies the gate, so its makespan is an
+upper bound (hinted); plans on another backbone generally violate it and are not used as hints.
+
 [Note: exact model scope]
-The exact model is free of the pipeline backbone: the heuristic follows a backbone order
-(gpipe, 1f1b, zb-h1, ...) on the compute lane, the exact model may interleave forwards, dX and dW
-in any order the DAG allows. The gap therefore measures the heuristic (and its backbone) against
-the true optimum of the DAG under lane constraints. *Memory is not modeled*: no device budget,
-no activation lifetimes, so the optimum may hold every micro-batch's activations at once (a
-GPipe-like order with every dW deferred). It is a bound on what any schedule of this DAG can
-reach, not a memory-feasible plan.
+``mode="free"`` drops the gate: the exact model may interleave forwards, dX and dW in any order the
+DAG allows (e.g. run forwards ahead of the 1F1B order). That gap measures the heuristic *and its
+backbone* against the best any lane placement of the DAG can do. In both modes *memory is not
+modeled*: no device budget, no activation lifetimes, so the free optimum may hold every
+micro-batch's activations at once (a GPipe-like order with every dW deferred). The free optimum is
+a bound on what any schedule of this DAG can reach, not a memory-feasible plan; the backbone
+optimum keeps the schedule's forward/backward order, which is what bounds memory in practice
+(dW deferral is still unbounded).
 
 [Note: rounding]
 Let D be the real durations and D' = ceil(D * scale) / scale. Starts that are feasible under D'
 stay feasible under D, so ``makespan_us`` (the found starts re-evaluated with the real durations)
 is achievable. Conversely an optimal schedule under D becomes feasible under D' by shifting every
-task by the sum of the rounding increments of the tasks started before it, so
+task by the sum of the rounding increments of the tasks started before it (the shift is monotone
+in the start time, so start-to-start constraints such as the backbone gate stay satisfied), so
 OPT(D) >= OPT(D') - sum(D' - D): ``bound_us`` is the CP-SAT bound minus that sum, a valid lower
 bound on the real optimum. With n tasks the two differ by at most n / scale µs.
 """
@@ -34,7 +53,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
 from .config import Config
 from .graph import StepGraph, build_step
@@ -43,6 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .planner import Plan
 
 MAX_TASKS = 3000
+MODES = ("backbone", "free")
 _STATUS = {0: "UNKNOWN", 1: "MODEL_INVALID", 2: "FEASIBLE", 3: "INFEASIBLE", 4: "OPTIMAL"}
 
 
@@ -53,6 +73,9 @@ class ExactResult:
     ``status``: OPTIMAL (``makespan_us`` is the optimum up to the rounding of [Note: rounding]),
     FEASIBLE (time limit hit; ``bound_us`` is the best proven lower bound), UNKNOWN (no solution
     within the time limit and no hint). ``starts``: task id -> start (µs) of the best schedule found.
+    ``objective_us``: that schedule's makespan under the rounded durations (what CP-SAT minimised;
+    two modes solved with the same ``scale`` compare exactly on it). ``hints_rejected``: hint
+    schedules left out because they violate the backbone gate (plans on another backbone).
     """
 
     status: str
@@ -63,6 +86,12 @@ class ExactResult:
     num_tasks: int = 0
     hint_makespan_us: float | None = None
     rounding_us: float = 0.0  # sum of rounding increments (D' - D), see [Note: rounding]
+    mode: str = "backbone"
+    lookahead: int | None = None  # the gate's lookahead (backbone mode)
+    objective_us: float = math.inf
+    hints_rejected: int = 0
+    starts_int: dict[str, int] = field(default_factory=dict, repr=False)  # CP-SAT's integer starts
+    scale: int = 100
 
     @property
     def optimal(self) -> bool:
@@ -149,18 +178,75 @@ def _heads_tails(g: StepGraph, dur: dict[str, int]) -> tuple[dict[str, int], dic
     return head, tail
 
 
-def solve_exact(cfg: Config, *, time_limit_s: float = 10.0, hint_plan: "Plan | Sequence[Plan] | None" = None,
-                scale: int = 100, workers: int = 2, seed: int = 0) -> ExactResult:
+def backbone_groups(g: StepGraph, ranks: dict[int, list]) -> dict[int, list[list[str]]]:
+    """Per rank, the main compute tasks (compute lane, not WGrad, not optim) grouped by backbone
+    slot, groups in slot order: the slot gate of [Note: backbone-constrained mode]. Slots are
+    assigned by ``planner._prepare`` itself, so the gate is the heuristic's."""
+    from .planner import _prepare, _slot_index
+
+    prep = _prepare(g, _slot_index(ranks))
+    by: dict[int, dict[int, list[str]]] = {}
+    for i, tid in enumerate(prep.ids):
+        if prep.main[i]:
+            by.setdefault(prep.stage[i], {}).setdefault(prep.slot[i], []).append(tid)
+    return {st: [slots[k] for k in sorted(slots)] for st, slots in sorted(by.items())}
+
+
+def gate_violations(groups: dict[int, list[list[str]]], starts: dict, lookahead: int, tol: float = 0.0
+                    ) -> list[tuple[int, str, float, float]]:
+    """(rank, task, start, earliest start the gate allows) for every main task of group p that
+    starts before the last start among groups 0..p-1-lookahead of its rank. Empty: ``starts``
+    (any task -> start mapping, µs or integer) satisfies the backbone gate."""
+    out = []
+    for st, grps in groups.items():
+        latest = -math.inf  # last start among groups 0..q
+        prefix = []
+        for grp in grps:
+            latest = max([latest] + [starts[t] for t in grp])
+            prefix.append(latest)
+        for p, grp in enumerate(grps):
+            q = p - 1 - lookahead
+            if q < 0:
+                continue
+            for t in grp:
+                if starts[t] < prefix[q] - tol:
+                    out.append((st, t, starts[t], prefix[q]))
+    return out
+
+
+Hint = Union["Plan", ExactResult]
+
+
+def plan_lookahead(plan: "Plan") -> int:
+    """The slot-gate lookahead ``plan`` was scheduled with (the planner uses 0 for the serial
+    strategy and for memory-lean re-plans)."""
+    if plan.strategy == "serial" or plan.metrics.get("memory_lean"):
+        return 0
+    return int(plan.cfg.schedule.lookahead)
+
+
+def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] | None = None,
+                lookahead: int | None = None, time_limit_s: float = 10.0,
+                hint_plan: "Hint | Sequence[Hint] | None" = None, scale: int = 100, workers: int = 2,
+                seed: int = 0) -> ExactResult:
     """Minimise the step time of ``cfg``'s task DAG under the lane rules (see module docstring).
 
-    ``hint_plan``: a heuristic plan of the same config (or several, e.g. one per backbone: the one
-    whose lane orders re-time shortest is used); its lane orders give CP-SAT a feasible starting
-    solution and an upper bound on the makespan. Raises ValueError for more than ``MAX_TASKS`` tasks.
+    ``mode``: ``backbone`` (compute lane gated by the pipeline schedule, [Note: backbone-constrained
+    mode]) or ``free`` ([Note: exact model scope]). ``ranks``: the backbone's slots per rank (default
+    ``planner.backbone(cfg).ranks``; pass ``plan.backbone`` for a plan on a custom schedule).
+    ``lookahead``: the gate's lookahead (default ``cfg.schedule.lookahead``).
+    ``hint_plan``: heuristic plans of the same config and/or earlier ExactResults (same ``scale``);
+    each one's lane orders (or integer starts) give a feasible starting solution, the shortest one
+    that is feasible for this mode is used and bounds the makespan from above. Raises ValueError for
+    more than ``MAX_TASKS`` tasks or an unknown mode.
     """
     from ortools.sat.python import cp_model
 
+    if mode not in MODES:
+        raise ValueError(f"exact solve: mode must be one of {', '.join(MODES)}; got {mode!r}")
     t0 = time.perf_counter()
-    g = build_step(_exact_config(cfg))
+    ecfg = _exact_config(cfg)
+    g = build_step(ecfg)
     n = len(g.tasks)
     if n > MAX_TASKS:
         raise ValueError(f"exact solve: {n} tasks exceed the limit of {MAX_TASKS} (use pp <= 4, microbatches <= 8, "
@@ -168,16 +254,39 @@ def solve_exact(cfg: Config, *, time_limit_s: float = 10.0, hint_plan: "Plan | S
     tasks = g.tasks
     dur = _int_durations(g, scale)
     rounding_us = sum(dur[t] / scale - tasks[t].duration_us for t in tasks)
+    groups: dict[int, list[list[str]]] = {}
+    if mode == "backbone":
+        if ranks is None:
+            from .planner import backbone
+
+            ranks = backbone(ecfg).ranks
+        lookahead = int(cfg.schedule.lookahead if lookahead is None else lookahead)
+        groups = backbone_groups(g, ranks)
+    else:
+        lookahead = None
     hints = [hint_plan] if hint_plan is not None and not isinstance(hint_plan, Sequence) else list(hint_plan or [])
     hint = None
+    rejected = 0
+
+    def span(h: dict[str, int]) -> int:
+        return max(h[t] + dur[t] for t in tasks)
+
     for hp in hints:
-        h = _retime(g, dur, hp)
-        if h is not None and (hint is None or max(h[t] + dur[t] for t in tasks) < max(hint[t] + dur[t] for t in tasks)):
+        if isinstance(hp, ExactResult):
+            h = dict(hp.starts_int) if hp.scale == scale and set(hp.starts_int) == set(tasks) else None
+        else:
+            h = _retime(g, dur, hp)
+        if h is None:
+            continue
+        if groups and gate_violations(groups, h, lookahead):
+            rejected += 1
+            continue
+        if hint is None or span(h) < span(hint):
             hint = h
     head, tail = _heads_tails(g, dur)
     cp_len = max(head[t] + dur[t] + tail[t] for t in tasks)
     # upper bound: the hint's makespan, else every task one after another
-    horizon = max(hint[t] + dur[t] for t in tasks) if hint is not None else sum(dur.values())
+    horizon = span(hint) if hint is not None else sum(dur.values())
     m = cp_model.CpModel()
     start: dict[str, cp_model.IntVar] = {}
     by_res: dict[tuple[int, str], list] = {}
@@ -196,6 +305,13 @@ def solve_exact(cfg: Config, *, time_limit_s: float = 10.0, hint_plan: "Plan | S
     for ivs in by_res.values():
         if len(ivs) > 1:
             m.add_no_overlap(ivs)
+    # backbone gate: G_p after G_{p-1-la-j}, j = 0..la (implies every earlier group by induction)
+    for grps in groups.values():
+        for p, grp in enumerate(grps):
+            for q in range(max(0, p - 1 - 2 * lookahead), p - lookahead):
+                for u in grps[q]:
+                    for t in grp:
+                        m.add(start[u] <= start[t])
     makespan = m.new_int_var(cp_len, horizon, "makespan")
     for tid in tasks:
         if tid not in has_succ:
@@ -220,21 +336,28 @@ def solve_exact(cfg: Config, *, time_limit_s: float = 10.0, hint_plan: "Plan | S
         starts_i, bound_i = {}, float(cp_len)
     starts = {tid: s / scale for tid, s in starts_i.items()}
     makespan_us = max((starts[t] + tasks[t].duration_us for t in starts), default=math.inf)
+    objective_us = max((starts_i[t] + dur[t] for t in starts_i), default=math.inf) / scale
     bound_us = max(0.0, bound_i / scale - rounding_us)
     return ExactResult(status, makespan_us, min(bound_us, makespan_us), time.perf_counter() - t0, starts, n,
-                       None if hint is None else horizon / scale, rounding_us)
+                       None if hint is None else horizon / scale, rounding_us, mode, lookahead, objective_us,
+                       rejected, starts_i, scale)
 
 
-def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hints: "Sequence[Plan]" = ()) -> dict:
-    """Solve ``cfg`` exactly (hinted with ``plan`` and ``extra_hints``, e.g. plans on other backbones)
-    and compare ``plan`` with it: ``gap`` is heuristic / optimum - 1 when the solve is OPTIMAL,
-    heuristic / bound - 1 otherwise (then an upper bound on the true gap); ``gap_vs_bound`` is always
-    heuristic / bound - 1 (conservative, valid in both cases); ``gap_vs_best`` is heuristic / best
-    schedule found - 1 (a lower bound on the true gap)."""
-    res = solve_exact(cfg, time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
+def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hints: "Sequence[Hint]" = (),
+                 mode: str = "backbone") -> dict:
+    """Solve ``cfg`` exactly (hinted with ``plan`` and ``extra_hints``, e.g. plans on other backbones,
+    which only the free mode can use) and compare ``plan`` with it. ``mode`` ``backbone`` (default)
+    gates the compute lane by ``plan``'s own backbone and lookahead: the exact lane placement of the
+    plan. ``gap`` is heuristic / optimum - 1 when the solve is OPTIMAL, heuristic / bound - 1
+    otherwise (then an upper bound on the true gap); ``gap_vs_bound`` is always heuristic / bound - 1
+    (conservative, valid in both cases); ``gap_vs_best`` is heuristic / best schedule found - 1 (a
+    lower bound on the true gap)."""
+    res = solve_exact(cfg, mode=mode, ranks=plan.backbone, lookahead=plan_lookahead(plan),
+                      time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
     heur = float(plan.metrics["step_time_us"])
     ref = res.makespan_us if res.optimal else res.bound_us
     return {
+        "mode": res.mode,
         "status": res.status,
         "optimum_us": res.makespan_us if res.optimal else None,
         "best_us": res.makespan_us,

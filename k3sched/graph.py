@@ -9,11 +9,13 @@ unit so the planner can follow the backbone; ``topo`` is the creation order, a t
 
 [Note: layer task graph]
 Forward of one MoE layer:   attn.fwd -> router.fwd -> dispatch.fwd (ep) -> expert.fwd -> combine.fwd (ep)
-                                              \\-> shared.fwd
+                                   \\-> shared.fwd -------------------------------------/
 Backward (I):  up -> combine.bwd (ep) -> expert.dx -> dispatch.bwd (ep) -> router.bwd -> attn.dx
                  \\-> shared.dx ------------------------------------------/
-               optional dispatch.re (ep) re-runs the dispatch before expert.dx (EP-DR)
-Backward (W):  attn.dw <- attn.dx, shared.dw <- shared.dx, expert.dw <- expert.dx
+               optional dispatch.re (ep, from `up`) re-runs the dispatch for expert.dw (EP-DR)
+Backward (W):  attn.dw <- attn.dx, shared.dw <- shared.dx, expert.dw <- expert.dx (+ dispatch.re)
+These are the data dependencies of the ``moe`` sub-ops (``moe.INTRA_LAYER_DEPS``), which the
+runtime executes as planned.
 A dense layer has mlp.fwd / mlp.dx / mlp.dw in place of the MoE ops. ``up`` is the input
 gradient from the layer above (attn.dx), the head (head.dx) or the next stage (grad.recv).
 """
@@ -157,8 +159,13 @@ class _Builder:
 
     def add(self, kind: Kind, v: int, unit: str, mb: int | None, *, layer: int | None = None, deps=(),
             alloc: Mem | None = None, free: Mem | None = None, nbytes: int = 0, scope_chunk: bool = False,
-            duration: float | None = None, bucket: int | None = None, **extra) -> str:
+            duration: float | None = None, bucket: int | None = None, at_stage: int | None = None,
+            **extra) -> str:
+        """Add a task of vstage ``v`` (``at_stage``: a task another stage runs on its behalf, e.g. the
+        peer side of a remote offload; its chunk is then 0)."""
         stage, chunk = self._rank[v], self._chunk[v]
+        if at_stage is not None:
+            stage, chunk = at_stage, 0
         tid = format_task_id(stage, kind, mb=mb, layer=None if scope_chunk else layer,
                              chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket)
         t = Task(tid, kind, LANE_OF[kind], stage, chunk, mb, layer,
@@ -217,8 +224,9 @@ class _Builder:
                 d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r], nbytes=self.cost.a2a_bytes(),
                              alloc=self.fwd_alloc(Kind.DISPATCH_FWD), duration=self.dur(Kind.DISPATCH_FWD))
                 e = self.add(Kind.EXPERT_FWD, v, "F", m, layer=L, deps=[d], alloc=self.fwd_alloc(Kind.EXPERT_FWD))
-                sh = self.add(Kind.SHARED_FWD, v, "F", m, layer=L, deps=[r], alloc=self.fwd_alloc(Kind.SHARED_FWD))
-                c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e], nbytes=self.cost.a2a_bytes(),
+                sh = self.add(Kind.SHARED_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.SHARED_FWD))
+                # combine adds the shared expert's output into the layer output it returns
+                c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e, sh], nbytes=self.cost.a2a_bytes(),
                              alloc=self.fwd_alloc(Kind.COMBINE_FWD), duration=self.dur(Kind.COMBINE_FWD))
                 prev = [c, sh]
                 kinds = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD,
@@ -234,9 +242,12 @@ class _Builder:
                          alloc=Mem(host=nbytes), free=Mem(device=nbytes), buffer=f"s{stage}/mb{m}/L{L}/act")
             elif key in self.off.remote:
                 peer = self.off.remote[key]
-                self.add(Kind.ACT_ROFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,
-                         alloc=Mem(peer=nbytes), free=Mem(device=nbytes), peer_stage=peer,
-                         buffer=f"s{stage}/mb{m}/L{L}/act")
+                buf = f"s{stage}/mb{m}/L{L}/act"
+                off = self.add(Kind.ACT_ROFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,
+                               alloc=Mem(peer=nbytes), free=Mem(device=nbytes), peer_stage=peer, buffer=buf)
+                # the peer's side: receive and keep it (its memory is accounted via peer_stage)
+                self.add(Kind.ACT_RSTORE, v, "F", m, layer=L, deps=[off], nbytes=nbytes, at_stage=peer,
+                         peer_stage=stage, buffer=buf, duration=self.cfg.hardware.launch_us + self.cost.pp_link[1])
         if v == self.nv - 1:
             prev = [self.add(Kind.HEAD_FWD, v, "F", m, scope_chunk=True, deps=prev,
                              alloc=self.fwd_alloc(Kind.HEAD_FWD))]
@@ -257,9 +268,14 @@ class _Builder:
             t = self.add(Kind.ACT_ONLOAD, v, "I", m, layer=L, deps=[off], nbytes=nbytes,
                          alloc=Mem(device=nbytes), free=Mem(host=nbytes), buffer=buf)
         else:
-            off = format_task_id(stage, Kind.ACT_ROFFLOAD, mb=m, layer=L)
-            t = self.add(Kind.ACT_RONLOAD, v, "I", m, layer=L, deps=[off], nbytes=nbytes,
-                         alloc=Mem(device=nbytes), free=Mem(peer=nbytes), peer_stage=self.off.remote[key], buffer=buf)
+            peer = self.off.remote[key]
+            store = format_task_id(peer, Kind.ACT_RSTORE, mb=m, layer=L)
+            serve = self.add(Kind.ACT_RSERVE, v, "I", m, layer=L, deps=[store], nbytes=nbytes, at_stage=peer,
+                             peer_stage=stage, buffer=buf, duration=self.cfg.hardware.launch_us + self.cost.pp_link[1])
+            if trigger:
+                self.start_deps[serve] = [trigger]
+            return self.add(Kind.ACT_RONLOAD, v, "I", m, layer=L, deps=[serve], nbytes=nbytes,
+                            alloc=Mem(device=nbytes), free=Mem(peer=nbytes), peer_stage=peer, buffer=buf)
         if trigger:
             self.start_deps[t] = [trigger]
         return t
@@ -297,13 +313,15 @@ class _Builder:
                 first_bwd[L] = cb
                 sdx = self.add(Kind.SHARED_DX, v, "I", m, layer=L, deps=ups,
                                free=Mem(device=sv[Kind.SHARED_FWD][1]), alloc=Mem(device=dx_alloc(Kind.SHARED_DX)))
-                edeps = [cb]
+                wdeps = []
                 disp_bytes = sv[Kind.DISPATCH_FWD][0]
                 if sched.dispatch_recompute:
+                    # EP-DR: re-run the dispatch to rebuild the expert input that expert.dw needs;
+                    # it runs on the ep lane while the expert backward computes.
                     disp_bytes = cost.T * model.top_k * model.hidden * cost.b
-                    edeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups, nbytes=cost.a2a_bytes(),
+                    wdeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups, nbytes=cost.a2a_bytes(),
                                           alloc=Mem(device=disp_bytes), duration=self.dur(Kind.DISPATCH_RE)))
-                edx = self.add(Kind.EXPERT_DX, v, "I", m, layer=L, deps=edeps,
+                edx = self.add(Kind.EXPERT_DX, v, "I", m, layer=L, deps=[cb],
                                free=Mem(device=sv[Kind.EXPERT_FWD][1] + sv[Kind.COMBINE_FWD][1]),
                                alloc=Mem(device=dx_alloc(Kind.EXPERT_DX)))
                 db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx], nbytes=cost.a2a_bytes(),
@@ -311,7 +329,7 @@ class _Builder:
                 rb = self.add(Kind.ROUTER_BWD, v, "I", m, layer=L, deps=[db, sdx], free=Mem(device=sum(sv[Kind.ROUTER_FWD])))
                 adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb],
                                free=Mem(device=sv[Kind.ATTN_FWD][1]), alloc=Mem(device=dx_alloc(Kind.ATTN_DX)))
-                W(Kind.EXPERT_DW, [edx], disp_bytes + dx_alloc(Kind.EXPERT_DX))
+                W(Kind.EXPERT_DW, [edx] + wdeps, disp_bytes + dx_alloc(Kind.EXPERT_DX))
                 W(Kind.SHARED_DW, [sdx], dx_alloc(Kind.SHARED_DX))
             else:
                 mdx = self.add(Kind.MLP_DX, v, "I", m, layer=L, deps=ups,

@@ -21,12 +21,13 @@ _GLYPH = {
     Kind.DISPATCH_FWD: "D", Kind.COMBINE_FWD: "C", Kind.COMBINE_BWD: "c", Kind.DISPATCH_BWD: "d",
     Kind.DISPATCH_RE: "R", Kind.FWD_SEND: ">", Kind.FWD_RECV: "<", Kind.BWD_SEND: "}", Kind.BWD_RECV: "{",
     Kind.GRAD_RS: "G", Kind.ACT_OFFLOAD: "o", Kind.ACT_ONLOAD: "n", Kind.ACT_ROFFLOAD: "O",
-    Kind.ACT_RONLOAD: "N", Kind.GSHARD_ONLOAD: "n", Kind.GSHARD_OFFLOAD: "o", Kind.GSHARD_ADD: "+",
+    Kind.ACT_RONLOAD: "N", Kind.ACT_RSTORE: "S", Kind.ACT_RSERVE: "V", Kind.GSHARD_ONLOAD: "n",
+    Kind.GSHARD_OFFLOAD: "o", Kind.GSHARD_ADD: "+",
     Kind.OPTIM: "*",
 }
 LEGEND = ("F forward  B backward dX  W WGrad  D/C dispatch/combine  d/c their backward  R dispatch recompute  "
-          "> < } { P2P send/recv fwd/bwd  G grad reduce-scatter  o/n offload/onload  O/N remote  + grad add  "
-          ". idle")
+          "> < } { P2P send/recv fwd/bwd  G grad reduce-scatter  o/n offload/onload  O/N remote  "
+          "S/V peer store/serve  + grad add  . idle")
 
 
 def glyph(kind: Kind) -> str:
@@ -160,6 +161,7 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
     colors = {"F": "#4c72b0", "B": "#55a868", "W": "#8172b3", "D": "#dd8452", "C": "#dd8452", "d": "#c44e52",
               "c": "#c44e52", "R": "#937860", ">": "#da8bc3", "<": "#da8bc3", "}": "#da8bc3", "{": "#da8bc3",
               "G": "#8c8c8c", "o": "#ccb974", "n": "#64b5cd", "O": "#b5a642", "N": "#3a8fb7", "+": "#999999",
+              "S": "#b5a642", "V": "#3a8fb7",
               "*": "#000000"}
     fig, axes = plt.subplots(2 * len(plans), 1, figsize=(14, 5.5 * len(plans)), squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1] * len(plans)})

@@ -68,8 +68,10 @@ class Kind(str, Enum):
     # activation offload (scope mb/L)
     ACT_OFFLOAD = "act.offload"
     ACT_ONLOAD = "act.onload"
-    ACT_ROFFLOAD = "act.roffload"
-    ACT_RONLOAD = "act.ronload"
+    ACT_ROFFLOAD = "act.roffload"  # sender: device -> peer rank's memory
+    ACT_RONLOAD = "act.ronload"  # sender: peer rank's memory -> device
+    ACT_RSTORE = "act.rstore"  # peer: receive and keep a remotely offloaded activation
+    ACT_RSERVE = "act.rserve"  # peer: send it back when the owner prefetches it
     # gradients
     GRAD_RS = "grad.rs"  # DP reduce-scatter of a layer's gradient
     GSHARD_ONLOAD = "gshard.onload"
@@ -104,6 +106,8 @@ LANE_OF: dict[Kind, str] = {
     Kind.GSHARD_OFFLOAD: "offload_local",
     Kind.ACT_ROFFLOAD: "offload_remote",
     Kind.ACT_RONLOAD: "offload_remote",
+    Kind.ACT_RSTORE: "offload_remote",
+    Kind.ACT_RSERVE: "offload_remote",
 }
 
 WGRAD_KINDS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP_DW, Kind.HEAD_DW, Kind.EMBED_DW})
@@ -112,6 +116,7 @@ FWD_KINDS = frozenset(
      Kind.MLP_FWD, Kind.EMBED_FWD, Kind.HEAD_FWD}
 )
 OFFLOAD_KINDS = frozenset({Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD, Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD,
+                           Kind.ACT_RSTORE, Kind.ACT_RSERVE,
                            Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
 P2P_KINDS = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV})
 

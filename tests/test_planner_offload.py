@@ -90,3 +90,17 @@ def test_from_torch_csv_cli_and_bad_csv(tmp_path):
     r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", "configs/tiny-cpu.yaml", "--from-torch-csv",
                         str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_remote_offload_has_peer_side_tasks():
+    p = plan(load_config(CONFIGS / "tiny-cpu.yaml", PP4 + ["schedule.remote_offload=true"]))
+    t = p.tasks
+    stores = [x for x in t.values() if x.kind is Kind.ACT_RSTORE]
+    assert stores
+    for s in stores:
+        off = t[next(d for d in s.deps)]
+        assert off.kind is Kind.ACT_ROFFLOAD and off.peer_stage == s.stage and s.peer_stage == off.stage
+        serve = next(x for x in t.values() if x.kind is Kind.ACT_RSERVE and s.id in x.deps)
+        ron = next(x for x in t.values() if x.kind is Kind.ACT_RONLOAD and serve.id in x.deps)
+        assert off.end_us <= s.start_us <= serve.start_us and serve.end_us <= ron.start_us
+        assert serve.lane == s.lane == "offload_remote" and serve.stage == s.stage
