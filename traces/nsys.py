@@ -271,12 +271,17 @@ def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *
         p.unlink(missing_ok=True)
 
     def run(step: str, args: list[str]) -> None:
+        # no new session or process group: nsys 2022.4 hangs under either
+        p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
         try:
-            p = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
+            stdout, stderr = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            # nsys 2022.4 can hang when the profiled program exits at once; end what we started
+            _end_session(p)
             raise TraceError(f"{out}: {step} timed out after {timeout_s:.0f} s") from None
         if p.returncode != 0:
-            last = (p.stderr.strip().splitlines() or p.stdout.strip().splitlines() or ["no output"])[-1]
+            last = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"])[-1]
             raise TraceError(f"{out}: {step} failed (exit {p.returncode}): {last}")
 
     run("nsys profile", [nsys, "profile", f"--trace={trace}", "--force-overwrite=true", "-o", str(out), *cmd])
@@ -293,3 +298,34 @@ def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *
     if not sql.exists():
         raise TraceError(f"{rep}: nsys export produced no {sql.name}")
     return sql
+
+
+def _end_session(p: subprocess.Popen) -> None:
+    """Kill a timed-out nsys step we started: its process, its descendants, and the profiling
+    agent it daemonised (found by its session name ``profile-*-<nsys pid>``), each by pid."""
+    import signal
+
+    parents: dict[int, int] = {}
+    agents = []
+    suffix = f"-{p.pid}".encode()
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"--start-agent" in argv and any(a.startswith(b"--session-name=profile-") and a.endswith(suffix)
+                                            for a in argv):
+            agents.append(int(d.name))
+    victims, frontier = [], [p.pid]
+    while frontier:
+        kids = [c for c, pp in parents.items() if pp in frontier]
+        victims += kids
+        frontier = kids
+    for pid in [p.pid, *victims, *agents]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    p.communicate()
