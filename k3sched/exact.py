@@ -28,6 +28,15 @@ model still chooses when each dW fills the compute lane and how transfers interl
 Any schedule the heuristic produces on that backbone satisfies the gate, so its makespan is an
 upper bound (hinted); plans on another backbone generally violate it and are not used as hints.
 
+[Note: WGrad deadline]
+The heuristic also bounds dW deferral (``schedule.wgrad_lag``, a memory policy: a deferred dW keeps
+its activations and output gradient alive): a WGrad of slot s has priority key s + wgrad_lag, so
+once ready it is never bypassed by a main task of a later slot; with wgrad_lag >= lookahead it is
+ready by then (its dX, of slot s, has run). ``solve_exact(wgrad_lag=k)`` adds that as
+``start(dW of slot s) <= start(t)`` for main tasks t of slots > s + k: the optimum given the
+backbone *and* the deferral bound. The default (None) leaves WGrad free, as the acceptance
+test does.
+
 [Note: exact model scope]
 ``mode="free"`` drops the gate: the exact model may interleave forwards, dX and dW in any order the
 DAG allows (e.g. run forwards ahead of the 1F1B order). That gap measures the heuristic *and its
@@ -88,7 +97,9 @@ class ExactResult:
     rounding_us: float = 0.0  # sum of rounding increments (D' - D), see [Note: rounding]
     mode: str = "backbone"
     lookahead: int | None = None  # the gate's lookahead (backbone mode)
+    wgrad_lag: int | None = None  # WGrad deadline (backbone mode; None: WGrad free)
     objective_us: float = math.inf
+    bound_int: float = -math.inf  # CP-SAT's proven bound on the objective, in 1/scale µs
     hints_rejected: int = 0
     starts_int: dict[str, int] = field(default_factory=dict, repr=False)  # CP-SAT's integer starts
     scale: int = 100
@@ -178,40 +189,58 @@ def _heads_tails(g: StepGraph, dur: dict[str, int]) -> tuple[dict[str, int], dic
     return head, tail
 
 
-def backbone_groups(g: StepGraph, ranks: dict[int, list]) -> dict[int, list[list[str]]]:
-    """Per rank, the main compute tasks (compute lane, not WGrad, not optim) grouped by backbone
-    slot, groups in slot order: the slot gate of [Note: backbone-constrained mode]. Slots are
-    assigned by ``planner._prepare`` itself, so the gate is the heuristic's."""
+def _slots(g: StepGraph, ranks: dict[int, list]):
     from .planner import _prepare, _slot_index
 
-    prep = _prepare(g, _slot_index(ranks))
+    return _prepare(g, _slot_index(ranks))
+
+
+def backbone_groups(g: StepGraph, ranks: dict[int, list]) -> dict[int, list[tuple[int, list[str]]]]:
+    """Per rank, the main compute tasks (compute lane, not WGrad, not optim) grouped by backbone
+    slot: [(slot, task ids)] in slot order, the groups of [Note: backbone-constrained mode]. Slots
+    are assigned by ``planner._prepare`` itself, so the gate is the heuristic's."""
+    prep = _slots(g, ranks)
     by: dict[int, dict[int, list[str]]] = {}
     for i, tid in enumerate(prep.ids):
         if prep.main[i]:
             by.setdefault(prep.stage[i], {}).setdefault(prep.slot[i], []).append(tid)
-    return {st: [slots[k] for k in sorted(slots)] for st, slots in sorted(by.items())}
+    return {st: [(k, slots[k]) for k in sorted(slots)] for st, slots in sorted(by.items())}
 
 
-def gate_violations(groups: dict[int, list[list[str]]], starts: dict, lookahead: int, tol: float = 0.0
-                    ) -> list[tuple[int, str, float, float]]:
-    """(rank, task, start, earliest start the gate allows) for every main task of group p that
-    starts before the last start among groups 0..p-1-lookahead of its rank. Empty: ``starts``
-    (any task -> start mapping, µs or integer) satisfies the backbone gate."""
-    out = []
-    for st, grps in groups.items():
-        latest = -math.inf  # last start among groups 0..q
-        prefix = []
-        for grp in grps:
-            latest = max([latest] + [starts[t] for t in grp])
-            prefix.append(latest)
-        for p, grp in enumerate(grps):
-            q = p - 1 - lookahead
-            if q < 0:
+def backbone_pairs(g: StepGraph, ranks: dict[int, list], lookahead: int, wgrad_lag: int | None = None
+                   ) -> list[tuple[str, str]]:
+    """The backbone constraints as pairs (u, t): ``start(u) <= start(t)``.
+
+    Slot gate: u in group G_q, t in G_p, q = p-1-2*lookahead .. p-1-lookahead (with the gate of
+    every group this implies t after all of G_0..G_{p-1-lookahead}, as the heuristic's gate).
+    ``wgrad_lag`` (None: WGrad free): a compute-lane WGrad task of slot s starts no later than the
+    main tasks of the groups with slot > s + wgrad_lag (the first 1 + lookahead such groups; the
+    gate carries it to later ones), the heuristic's overdue-WGrad rule (see
+    [Note: WGrad deadline])."""
+    groups = backbone_groups(g, ranks)
+    pairs: list[tuple[str, str]] = []
+    for grps in groups.values():
+        for p, (_, grp) in enumerate(grps):
+            for q in range(max(0, p - 1 - 2 * lookahead), p - lookahead):
+                pairs.extend((u, t) for u in grps[q][1] for t in grp)
+    if wgrad_lag is not None:
+        prep = _slots(g, ranks)
+        for i, tid in enumerate(prep.ids):
+            if not prep.wgrad[i] or prep.lane[i] != 0:
                 continue
-            for t in grp:
-                if starts[t] < prefix[q] - tol:
-                    out.append((st, t, starts[t], prefix[q]))
-    return out
+            grps = groups.get(prep.stage[i], [])
+            first = next((k for k, (sl, _) in enumerate(grps) if sl > prep.slot[i] + wgrad_lag), None)
+            if first is None:
+                continue
+            for _, grp in grps[first:first + 1 + lookahead]:
+                pairs.extend((tid, t) for t in grp)
+    return pairs
+
+
+def gate_violations(pairs: Sequence[tuple[str, str]], starts: dict, tol: float = 0.0) -> list[tuple[str, str]]:
+    """The pairs (u, t) of ``backbone_pairs`` that ``starts`` (task -> start, µs or integer)
+    violates: t starts before u. Empty: the schedule follows the backbone."""
+    return [(u, t) for u, t in pairs if starts[u] > starts[t] + tol]
 
 
 Hint = Union["Plan", ExactResult]
@@ -226,15 +255,19 @@ def plan_lookahead(plan: "Plan") -> int:
 
 
 def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] | None = None,
-                lookahead: int | None = None, time_limit_s: float = 10.0,
-                hint_plan: "Hint | Sequence[Hint] | None" = None, scale: int = 100, workers: int = 2,
-                seed: int = 0) -> ExactResult:
+                lookahead: int | None = None, wgrad_lag: int | None = None, time_limit_s: float = 10.0,
+                hint_plan: "Hint | Sequence[Hint] | None" = None, lower: "ExactResult | None" = None,
+                scale: int = 100, workers: int = 2, seed: int = 0) -> ExactResult:
     """Minimise the step time of ``cfg``'s task DAG under the lane rules (see module docstring).
 
     ``mode``: ``backbone`` (compute lane gated by the pipeline schedule, [Note: backbone-constrained
     mode]) or ``free`` ([Note: exact model scope]). ``ranks``: the backbone's slots per rank (default
     ``planner.backbone(cfg).ranks``; pass ``plan.backbone`` for a plan on a custom schedule).
-    ``lookahead``: the gate's lookahead (default ``cfg.schedule.lookahead``).
+    ``lookahead``: the gate's lookahead (default ``cfg.schedule.lookahead``). ``wgrad_lag``: also
+    bound WGrad deferral as the heuristic does ([Note: WGrad deadline]; None: WGrad free).
+    ``lower``: a solve of a relaxation of this model (e.g. the free mode of the same config, same
+    ``scale``) whose proven bound starts the makespan's lower bound; the planner's
+    ``lower_bound_us`` is always used too.
     ``hint_plan``: heuristic plans of the same config and/or earlier ExactResults (same ``scale``);
     each one's lane orders (or integer starts) give a feasible starting solution, the shortest one
     that is feasible for this mode is used and bounds the makespan from above. Raises ValueError for
@@ -254,16 +287,16 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
     tasks = g.tasks
     dur = _int_durations(g, scale)
     rounding_us = sum(dur[t] / scale - tasks[t].duration_us for t in tasks)
-    groups: dict[int, list[list[str]]] = {}
+    pairs: list[tuple[str, str]] = []
     if mode == "backbone":
         if ranks is None:
             from .planner import backbone
 
             ranks = backbone(ecfg).ranks
         lookahead = int(cfg.schedule.lookahead if lookahead is None else lookahead)
-        groups = backbone_groups(g, ranks)
+        pairs = backbone_pairs(g, ranks, lookahead, wgrad_lag)
     else:
-        lookahead = None
+        lookahead = wgrad_lag = None
     hints = [hint_plan] if hint_plan is not None and not isinstance(hint_plan, Sequence) else list(hint_plan or [])
     hint = None
     rejected = 0
@@ -278,13 +311,19 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
             h = _retime(g, dur, hp)
         if h is None:
             continue
-        if groups and gate_violations(groups, h, lookahead):
+        if pairs and gate_violations(pairs, h):
             rejected += 1
             continue
         if hint is None or span(h) < span(hint):
             hint = h
     head, tail = _heads_tails(g, dur)
     cp_len = max(head[t] + dur[t] + tail[t] for t in tasks)
+    from .planner import lower_bound_us
+
+    # lower bounds: the planner's (valid for D, so for D' >= D) and a relaxation's proven bound
+    lb = max(cp_len, int(math.floor(lower_bound_us(g)[0] * scale + 1e-6)))
+    if lower is not None and lower.scale == scale and math.isfinite(lower.bound_int):
+        lb = max(lb, int(math.ceil(lower.bound_int - 1e-6)))
     # upper bound: the hint's makespan, else every task one after another
     horizon = span(hint) if hint is not None else sum(dur.values())
     m = cp_model.CpModel()
@@ -305,14 +344,10 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
     for ivs in by_res.values():
         if len(ivs) > 1:
             m.add_no_overlap(ivs)
-    # backbone gate: G_p after G_{p-1-la-j}, j = 0..la (implies every earlier group by induction)
-    for grps in groups.values():
-        for p, grp in enumerate(grps):
-            for q in range(max(0, p - 1 - 2 * lookahead), p - lookahead):
-                for u in grps[q]:
-                    for t in grp:
-                        m.add(start[u] <= start[t])
-    makespan = m.new_int_var(cp_len, horizon, "makespan")
+    for u, t in pairs:  # backbone gate (and WGrad deadlines)
+        m.add(start[u] <= start[t])
+    lb = min(lb, horizon)
+    makespan = m.new_int_var(lb, horizon, "makespan")
     for tid in tasks:
         if tid not in has_succ:
             m.add(start[tid] + dur[tid] <= makespan)
@@ -331,20 +366,20 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
         starts_i = {tid: solver.value(v) for tid, v in start.items()}
         bound_i = solver.best_objective_bound
     elif hint is not None:  # no better solution found in time: the hint is still a schedule
-        status, starts_i, bound_i = "FEASIBLE", hint, float(cp_len)
+        status, starts_i, bound_i = "FEASIBLE", hint, float(lb)
     else:
-        starts_i, bound_i = {}, float(cp_len)
+        starts_i, bound_i = {}, float(lb)
     starts = {tid: s / scale for tid, s in starts_i.items()}
     makespan_us = max((starts[t] + tasks[t].duration_us for t in starts), default=math.inf)
     objective_us = max((starts_i[t] + dur[t] for t in starts_i), default=math.inf) / scale
     bound_us = max(0.0, bound_i / scale - rounding_us)
     return ExactResult(status, makespan_us, min(bound_us, makespan_us), time.perf_counter() - t0, starts, n,
-                       None if hint is None else horizon / scale, rounding_us, mode, lookahead, objective_us,
-                       rejected, starts_i, scale)
+                       None if hint is None else horizon / scale, rounding_us, mode, lookahead, wgrad_lag,
+                       objective_us, max(float(bound_i), float(lb)), rejected, starts_i, scale)
 
 
 def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hints: "Sequence[Hint]" = (),
-                 mode: str = "backbone") -> dict:
+                 mode: str = "backbone", wgrad_lag: int | None = None) -> dict:
     """Solve ``cfg`` exactly (hinted with ``plan`` and ``extra_hints``, e.g. plans on other backbones,
     which only the free mode can use) and compare ``plan`` with it. ``mode`` ``backbone`` (default)
     gates the compute lane by ``plan``'s own backbone and lookahead: the exact lane placement of the
@@ -352,7 +387,7 @@ def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hi
     otherwise (then an upper bound on the true gap); ``gap_vs_bound`` is always heuristic / bound - 1
     (conservative, valid in both cases); ``gap_vs_best`` is heuristic / best schedule found - 1 (a
     lower bound on the true gap)."""
-    res = solve_exact(cfg, mode=mode, ranks=plan.backbone, lookahead=plan_lookahead(plan),
+    res = solve_exact(cfg, mode=mode, ranks=plan.backbone, lookahead=plan_lookahead(plan), wgrad_lag=wgrad_lag,
                       time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
     heur = float(plan.metrics["step_time_us"])
     ref = res.makespan_us if res.optimal else res.bound_us

@@ -1,11 +1,15 @@
 """The k3 list scheduler against the exact optimum (CP-SAT) of the same task DAG.
 
-Fixed suite of small instances derived from configs/tiny-cpu.yaml. The exact model ignores the
-pipeline backbone and memory (see [Note: exact model scope] in k3sched/exact.py), so the gap
-measures the heuristic *and its backbone* against the best any lane placement of the DAG can do.
+Fixed suite of small instances derived from configs/tiny-cpu.yaml. The acceptance reference is the
+*backbone-constrained* optimum (k3sched/exact.py, [Note: backbone-constrained mode]): the best lane
+placement given the plan's pipeline schedule (compute lane gated by the backbone slots with the
+config's lookahead; WGrad, communication and copies free). The free optimum (no backbone, [Note:
+exact model scope]) is solved too and its gap printed, not asserted. Memory is modeled by neither.
 
-Instances whose measured gap is above the 5% goal are marked xfail (strict) with the measured
-gap and its cause in the reason: they are open findings for the planner, not hidden.
+Per instance the gap (heuristic / optimum - 1, or / CP-SAT's proven bound when the time limit hits)
+is printed (run with -s) and recorded as a junit property. Instances whose measured gap is above
+the 5% goal are marked xfail (strict) with the measured gap and its cause: open findings for the
+planner, not hidden.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ from pathlib import Path
 import pytest
 
 from k3sched.config import load_config
-from k3sched.exact import MAX_TASKS, solve_exact
+from k3sched.exact import MAX_TASKS, backbone_pairs, gate_violations, plan_lookahead, solve_exact
 from k3sched.planner import plan
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
 GOAL = 0.05
-TIME_LIMIT_S = 4.0
+TIME_LIMIT_S = 3.0  # backbone-constrained solve (the acceptance reference)
+FREE_TIME_LIMIT_S = 2.0  # free solve (reported only; its bound also starts the constrained one's)
 HINT_PIPELINES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+HINT_WGRAD_LAG = 8  # k3 on the same backbone with dW deferred further: a feasible constrained schedule
 
 # name: (pp, microbatches, layers, dense_layers, ep, pipeline)
 INSTANCES = {
@@ -42,22 +48,18 @@ INSTANCES = {
     "pp4-m8-dense-gpipe": (4, 8, 4, 4, 1, "gpipe"),
 }
 
-_FILL = ("WGrad fill: a ~2 ms dW (expert.dw/head.dw) starts on the compute lane while a ~0.15 ms EP "
-         "a2a (dispatch.bwd) is in flight, delaying the critical-path router.bwd/attn.dx by the dW")
-_BACKBONE = "1F1B backbone order (the memory-free optimum runs forwards ahead, zb-h1 on this DAG is near optimal)"
-# Measured with tiny-cpu.yaml as of this commit: heuristic vs optimum (or vs CP-SAT bound).
+_TIE = ("WGrad deadline tie: a dW of slot s has priority key s + wgrad_lag (2), equal to the key of "
+        "the backbone tasks of slot s + 2 (on 1F1B the next backward), and wins on creation order, so "
+        "the last stage runs the previous micro-batch's dW (~7 ms) before the backward whose grad.send "
+        "the upstream stages wait on (in cooldown too, where nothing forces it); the optimum defers the dW")
+# Measured with tiny-cpu.yaml as of this commit: k3 vs the backbone-constrained optimum (or its
+# bound). "k3 with wgrad_lag 3" (or a tie-break favouring backbone tasks) removes most of each gap.
 KNOWN_GAPS = {
-    "pp2-m4-1f1b": f"gap 7.4% vs best found (7.9% vs bound): {_BACKBONE}",
-    "pp2-m4-dense-1f1b": f"gap 5.9% (OPTIMAL): {_BACKBONE}",
-    "pp3-m3-1f1b": f"gap 16.8% (OPTIMAL): {_BACKBONE} plus {_FILL}",
-    "pp3-m1-zbh1": f"gap 9.1% (OPTIMAL): {_FILL}",
-    "pp4-m4-gpipe": f"gap 13.4% vs best found (14.6% vs bound): GPipe backbone (every dW after all "
-                    f"backwards) and {_FILL}",
-    "pp4-m8-1f1b": f"gap 11.2% vs best found (11.6% vs bound; k3 on zb-h2 is 7.8% shorter): {_BACKBONE}",
-}
-SERIAL_BEATS_K3 = {
-    "pp3-m1-zbh1": f"k3 37.5 ms vs serial 35.5 ms: {_FILL}",
-    "pp3-m6-zbh1-ep1": f"k3 194.3 ms vs serial 193.4 ms: {_FILL} (10-22 ms of such delays per stage)",
+    "pp2-m4-1f1b": f"gap 5.8% (OPTIMAL in 60 s: 124.22 ms; 3 s bound 124.22 ms; k3 with wgrad_lag 8: 125.5 ms): {_TIE}",
+    "pp2-m4-dense-1f1b": f"gap 5.9% (OPTIMAL, = free optimum; k3 with wgrad_lag 3 is optimal): {_TIE}",
+    "pp3-m3-1f1b": f"gap 11.6% (OPTIMAL; k3 with wgrad_lag 8: 58.4 ms, 1.0%): {_TIE}",
+    "pp4-m4-gpipe": f"gap 8.2% (OPTIMAL, = free optimum; k3 with wgrad_lag 4: 80.9 ms, 2.7%): {_TIE}",
+    "pp4-m8-1f1b": f"gap 8.5% vs bound, >= 7.6% vs best found (k3 with wgrad_lag 8: 146.6 ms): {_TIE}",
 }
 
 
@@ -71,10 +73,16 @@ def _cfg(name: str, pipeline: str | None = None):
 
 @functools.lru_cache(maxsize=None)
 def _solved(name: str):
+    """(cfg, k3 plan, backbone-constrained result, free result)."""
     cfg = _cfg(name)
     heur = plan(cfg, "k3")
-    hints = [heur] + [plan(_cfg(name, p), "k3") for p in HINT_PIPELINES if p != cfg.schedule.pipeline]
-    return cfg, heur, solve_exact(cfg, time_limit_s=TIME_LIMIT_S, hint_plan=hints)
+    others = [plan(_cfg(name, p), "k3") for p in HINT_PIPELINES if p != cfg.schedule.pipeline]
+    lagged = cfg.model_copy(deep=True)
+    lagged.schedule.wgrad_lag = HINT_WGRAD_LAG
+    free = solve_exact(cfg, mode="free", time_limit_s=FREE_TIME_LIMIT_S, hint_plan=[heur, *others])
+    back = solve_exact(cfg, mode="backbone", ranks=heur.backbone, lookahead=plan_lookahead(heur),
+                       time_limit_s=TIME_LIMIT_S, hint_plan=[heur, plan(lagged, "k3")], lower=free)
+    return cfg, heur, back, free
 
 
 def _marks(known: dict[str, str]):
@@ -82,20 +90,42 @@ def _marks(known: dict[str, str]):
             for n in INSTANCES]
 
 
+def _ref(res) -> float:
+    return res.makespan_us if res.optimal else res.bound_us
+
+
 @pytest.mark.parametrize("name", _marks(KNOWN_GAPS))
-def test_k3_within_5pct_of_exact(name: str) -> None:
-    _, heur, res = _solved(name)
+def test_k3_within_5pct_of_exact(name: str, record_property) -> None:
+    _, heur, res, free = _solved(name)
     step = heur.metrics["step_time_us"]
-    ref = res.makespan_us if res.optimal else res.bound_us
-    gap = step / ref - 1
-    print(f"{name}: {res.status} heuristic {step / 1e3:.3f} ms, exact best {res.makespan_us / 1e3:.3f} ms, "
-          f"bound {res.bound_us / 1e3:.3f} ms, gap {gap * 100:.2f}% (vs best {step / res.makespan_us * 100 - 100:.2f}%), "
-          f"{res.num_tasks} tasks, {res.wall_s:.1f} s")
+    gap, gap_free = step / _ref(res) - 1, step / _ref(free) - 1
+    record_property("gap_backbone", round(gap, 5))
+    record_property("gap_free", round(gap_free, 5))
+    print(f"\n{name}: k3 {step / 1e3:.3f} ms | backbone {res.status} best {res.makespan_us / 1e3:.3f} bound "
+          f"{res.bound_us / 1e3:.3f} gap {gap * 100:.2f}% (vs best {(step / res.makespan_us - 1) * 100:.2f}%, "
+          f"{res.wall_s:.1f} s) | free {free.status} best {free.makespan_us / 1e3:.3f} bound "
+          f"{free.bound_us / 1e3:.3f} gap {gap_free * 100:.2f}% ({free.wall_s:.1f} s) | {res.num_tasks} tasks")
     assert res.status in ("OPTIMAL", "FEASIBLE")
-    assert gap <= GOAL, f"{name}: k3 {step:.0f} us is {gap * 100:.2f}% above the exact reference {ref:.0f} us"
+    assert gap <= GOAL, f"{name}: k3 {step:.0f} us is {gap * 100:.2f}% above the backbone optimum/bound {_ref(res):.0f} us"
 
 
-@pytest.mark.parametrize("name", _marks(SERIAL_BEATS_K3))
+@pytest.mark.parametrize("name", list(INSTANCES))
+def test_heuristic_is_feasible_for_backbone_model(name: str) -> None:
+    """k3's own schedule follows the backbone gate (and its WGrad deadline), its re-timed lane orders
+    are accepted as the constrained model's hint (an upper bound), and constraining never helps."""
+    cfg, heur, res, free = _solved(name)
+    pairs = backbone_pairs(heur.graph, heur.backbone, plan_lookahead(heur), cfg.schedule.wgrad_lag)
+    assert not gate_violations(pairs, {t: x.start_us for t, x in heur.tasks.items()})
+    assert res.hint_makespan_us is not None and res.hints_rejected == 0
+    assert res.hint_makespan_us <= heur.metrics["step_time_us"] + res.num_tasks / res.scale + 1e-6
+    assert res.makespan_us <= heur.metrics["step_time_us"] + res.rounding_us + 1e-6
+    # constrained optimum >= free optimum: any constrained schedule is a free one
+    assert res.makespan_us >= free.bound_us - 1e-6
+    if res.optimal and free.optimal:
+        assert res.objective_us >= free.objective_us - 1e-9
+
+
+@pytest.mark.parametrize("name", list(INSTANCES))
 def test_k3_never_worse_than_serial(name: str) -> None:
     cfg = _cfg(name)
     k3, serial = plan(cfg, "k3"), plan(cfg, "serial")
@@ -106,18 +136,19 @@ def test_k3_never_worse_than_serial(name: str) -> None:
 @pytest.mark.parametrize("name", list(INSTANCES))
 def test_planner_lower_bound_is_below_exact(name: str) -> None:
     """A valid lower bound never exceeds the optimum; the exact best schedule is >= the optimum."""
-    _, heur, res = _solved(name)
+    _, heur, res, free = _solved(name)
     lb = heur.metrics["lower_bound_us"]
-    assert lb <= res.makespan_us + 1e-6, f"{name}: planner lower bound {lb:.0f} > exact schedule {res.makespan_us:.0f}"
-    # and CP-SAT's proven bound (rounding-corrected) never exceeds the schedule it found
-    assert res.bound_us <= res.makespan_us + 1e-6
+    for r in (res, free):
+        assert lb <= r.makespan_us + 1e-6, f"{name}: planner lower bound {lb:.0f} > exact schedule {r.makespan_us:.0f}"
+        # and CP-SAT's proven bound (rounding-corrected) never exceeds the schedule it found
+        assert r.bound_us <= r.makespan_us + 1e-6
 
 
 def test_exact_schedule_respects_dag_and_lanes() -> None:
     """The exact starts form a valid schedule of the DAG under the lane rules (checked directly)."""
     from k3sched.graph import build_step
 
-    cfg, _, res = _solved("pp2-m4-dense-1f1b")
+    cfg, heur, res, _ = _solved("pp2-m4-dense-1f1b")
     g = build_step(cfg)
     tasks = g.tasks
     assert set(res.starts) == set(tasks)
@@ -133,6 +164,23 @@ def test_exact_schedule_respects_dag_and_lanes() -> None:
         for (_, e0), (s1, _) in zip(iv, iv[1:]):
             assert e0 <= s1 + 1e-6
     assert max(end.values()) == pytest.approx(res.makespan_us)
+    # and the backbone gate
+    assert not gate_violations(backbone_pairs(g, heur.backbone, plan_lookahead(heur)), res.starts, 1e-6)
+
+
+def test_free_mode_may_leave_the_backbone() -> None:
+    """The free optimum on pp3-m3-1f1b runs tasks out of the 1F1B gate and is shorter than the
+    constrained one; a schedule that breaks the gate is not used as the constrained model's hint."""
+    from k3sched.graph import build_step
+
+    cfg, heur, res, free = _solved("pp3-m3-1f1b")
+    assert free.optimal and free.makespan_us < res.makespan_us
+    g = build_step(cfg)
+    assert gate_violations(backbone_pairs(g, heur.backbone, plan_lookahead(heur)), free.starts)
+    other = solve_exact(cfg, time_limit_s=0.5, hint_plan=free)  # the free optimum breaks the gate
+    assert other.hints_rejected == 1 and other.hint_makespan_us is None
+    with pytest.raises(ValueError, match="mode"):
+        solve_exact(cfg, mode="nope")
 
 
 def test_too_large_instance_is_refused() -> None:
