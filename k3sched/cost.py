@@ -15,8 +15,13 @@ ring over the DP group (dense parameters over ep*dp ranks, expert parameters ove
 send/recv carries T h b. Offload / onload go over PCIe; remote offload over the P2P link.
 
 A measured profile (YAML, see :func:`load_profile`) replaces the analytic duration of any kind:
-``durations_us: {attn.fwd: 812.0, ...}`` (per layer and micro-batch) and optionally
-``bandwidth_gbps: {ep: .., collective: .., offload_local: .., offload_remote: ..}``.
+``durations_us: {attn.fwd: 812.0, ...}`` (per layer and micro-batch), optionally
+``bandwidth_gbps: {ep: .., collective: .., offload_local: .., offload_remote: ..}`` and
+``saved_bytes: {attn.fwd: [w, x], attn.dx: n, ...}``: measured activation bytes per layer and
+micro-batch that replace :meth:`CostModel.saved_bytes` (forward kinds: bytes kept until dW, bytes
+kept until dX) and :meth:`CostModel.grad_out_bytes` (dX kinds); a forward kind may also give one
+number N (split like the analytic model). ``offload.measure.write_profile`` measures them on the
+``moe`` code ([Note: measured saved bytes] in ``offload/measure.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Profile:
     durations_us: dict[str, float] = field(default_factory=dict)
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    saved_bytes: dict[str, int | tuple[int, int]] = field(default_factory=dict)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -53,10 +59,10 @@ def load_profile(path: str | Path) -> Profile:
         raise ConfigError(f"schedule.profile: cannot read {p}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"schedule.profile: {p} must be a mapping with durations_us / bandwidth_gbps")
-    unknown = set(data) - {"durations_us", "bandwidth_gbps", "format", "source"}
+    unknown = set(data) - {"durations_us", "bandwidth_gbps", "saved_bytes", "format", "source"}
     if unknown:
         raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: durations_us, "
-                          "bandwidth_gbps, format, source")
+                          "bandwidth_gbps, saved_bytes, format, source")
     dur = {str(k): float(v) for k, v in (data.get("durations_us") or {}).items()}
     for k in dur:
         try:
@@ -64,7 +70,15 @@ def load_profile(path: str | Path) -> Profile:
         except ValueError:
             raise ConfigError(f"schedule.profile: unknown task kind {k!r} in {p}") from None
     bw = {str(k): float(v) for k, v in (data.get("bandwidth_gbps") or {}).items()}
-    return Profile(dur, bw, str(p))
+    saved: dict[str, int | tuple[int, int]] = {}
+    for k, v in (data.get("saved_bytes") or {}).items():
+        try:
+            Kind(str(k))
+            saved[str(k)] = (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else int(v)
+        except (ValueError, TypeError, IndexError):
+            raise ConfigError(f"schedule.profile: saved_bytes: {k!r} must be a task kind with bytes N or [w, x] "
+                              f"in {p}; got {v!r}") from None
+    return Profile(dur, bw, str(p), saved)
 
 
 class CostModel:
@@ -189,6 +203,9 @@ class CostModel:
     # -- activation memory (bytes saved for backward, per layer per micro-batch) -----------------
     def saved_bytes(self, kind: Kind) -> tuple[int, int]:
         """(bytes kept until dW -- the op's inputs --, bytes kept until dX only) of a forward op."""
+        measured = self.profile.saved_bytes.get(kind.value)
+        if isinstance(measured, tuple):
+            return self._quant(measured[0]), self._quant(measured[1])
         m = self.cfg.model
         T, h, k, b = self.T, m.hidden, m.top_k, self.b
         f, F = m.expert_hidden, m.ffn_dense_hidden
@@ -209,10 +226,21 @@ class CostModel:
             Kind.EMBED_FWD: (0, 0),
         }
         w, x = table.get(kind, (0, 0))
+        if isinstance(measured, int) and w + x:
+            return int(measured * w / (w + x)), measured - int(measured * w / (w + x))
         return int(w), int(x)
+
+    def _quant(self, nbytes: int) -> int:
+        """Measured bytes (model dtype) as stored under ``act_quant: fp8`` (1 byte + fp32 scale per 128)."""
+        if self.cfg.schedule.act_quant == "fp8":
+            return int(nbytes / self.b * (1 + 4 / 128))
+        return int(nbytes)
 
     def grad_out_bytes(self, kind: Kind) -> int:
         """Bytes of the output gradient a dX task keeps for its deferred dW."""
+        measured = self.profile.saved_bytes.get(kind.value)
+        if isinstance(measured, int):
+            return measured
         m = self.cfg.model
         T, h, k, b = self.T, m.hidden, m.top_k, self.b
         return {

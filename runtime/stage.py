@@ -13,9 +13,14 @@ task kind to a handler (:meth:`StageRunner.handlers`):
   ``irecv`` + wait inside the task (a receive posted in plan order waits for its send);
 - grad.rs(.bN) -> all-reduce (sum) of bucket N of the layer's gradients: non-expert weights over
   the dense group (ep*dp replicas), expert weights over the expert group (dp replicas);
-- act.offload / act.onload -> :class:`HostOffload` (the hook a full offload manager replaces);
-- optim.run -> reduce embed/head/final-norm gradients (optim group), AdamW step, zero grads;
-- act.roffload / act.ronload / gshard.* -> NotImplementedError (not built yet).
+- act.offload / act.onload / act.roffload / act.rstore / act.rserve / act.ronload ->
+  :class:`offload.ActivationManager` ([Note: activation storage policies]); every task is wrapped
+  (:meth:`StageRunner._tracked`): in debug mode a backward task checks its layer's activations are
+  resident, the last backward task of an onloaded set releases its device buffer to the pool, and
+  the memory tracker samples device / host / peer bytes after each task ([Note: measured memory]);
+- grad.rs / gshard.* / optim.run with ``schedule.grad_offload`` -> :class:`offload.GradShards`
+  ([Note: sharded gradients]);
+- optim.run -> reduce embed/head/final-norm gradients (optim group), AdamW step, zero grads.
 
 [Note: shared.dx beside combine.bwd]
 The planner lets shared.dx run beside combine.bwd (both wait only for the upstream gradient),
@@ -43,18 +48,13 @@ from k3sched.graph import placement_for, split_layers
 from k3sched.tasks import LANES, Kind
 from moe import INTRA_LAYER_DEPS, LayerCtx, MicroBatch, MoEModel, MoEModelArgs, init_full_state
 
+from offload import ActivationManager, MemoryTracker, PolicyTable
+
 from .executor import Handler, PlanTask
 from .groups import Groups
 
-NOT_BUILT = {
-    Kind.ACT_ROFFLOAD: "remote activation offload (act.roffload) is not implemented by the runtime yet; "
-                       "set schedule.remote_offload=false",
-    Kind.ACT_RONLOAD: "remote activation onload (act.ronload) is not implemented by the runtime yet; "
-                      "set schedule.remote_offload=false",
-    Kind.GSHARD_ONLOAD: "gradient-shard offload (schedule.grad_offload) is not implemented by the runtime yet",
-    Kind.GSHARD_ADD: "gradient-shard offload (schedule.grad_offload) is not implemented by the runtime yet",
-    Kind.GSHARD_OFFLOAD: "gradient-shard offload (schedule.grad_offload) is not implemented by the runtime yet",
-}
+NOT_BUILT: dict[Kind, str] = {}
+BACKWARD_KINDS = frozenset(k for k in Kind if k.phase in ("dx", "dw", "bwd", "re"))
 
 
 def model_args(cfg: Config) -> MoEModelArgs:
@@ -169,48 +169,12 @@ def _sync_ctx(layer: int, is_moe: bool) -> LayerCtx:
     return lc
 
 
-class HostOffload:
-    """Simple activation offload: copy a layer's saved tensors to a host pool and back.
-
-    ``offload`` replaces every live saved tensor of (mb, layer) with a host copy (pinned on CUDA);
-    ``onload`` puts device copies back. ``host_bytes`` is the pool's current size. A full offload
-    manager (storage policies, FP8, prefetch) replaces this object; the handlers call only these
-    two methods."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pool: dict[str, dict[str, Tensor]] = {}
-        self.host_bytes = 0
-        self._lock = threading.Lock()
-
-    def offload(self, buffer: str, lc: LayerCtx) -> None:
-        copies = {}
-        for name, t in lc.saved_tensors().items():
-            h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.device.type == "cuda")
-            h.copy_(t, non_blocking=self.device.type == "cuda")
-            copies[name] = h
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        for name, h in copies.items():
-            lc.replace(name, h)
-        with self._lock:
-            self.pool[buffer] = copies
-            self.host_bytes += sum(h.numel() * h.element_size() for h in copies.values())
-
-    def onload(self, buffer: str, lc: LayerCtx) -> None:
-        with self._lock:
-            copies = self.pool.pop(buffer)
-            self.host_bytes -= sum(h.numel() * h.element_size() for h in copies.values())
-        for name, h in copies.items():
-            lc.replace(name, h.to(self.device, non_blocking=True))
-
-
 class StageRunner:
     """This rank's stage: model, micro-batch states, groups, optimizer and task handlers."""
 
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
-                 weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None
-                 ) -> None:
+                 weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
+                 remote_group=None, offload_debug: bool | None = None, copy_delay_s: float | None = None) -> None:
         self.cfg, self.spec, self.groups = cfg, spec, groups
         self.args = model_args(cfg)
         self.device = device or torch.device("cpu")
@@ -219,7 +183,15 @@ class StageRunner:
         self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device)
         self.params = [p for p in self.model.parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-        self.offloader = HostOffload(self.device)
+        self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
+                                      copy_delay_s=copy_delay_s, remote_group=remote_group)
+        self._bwd_left: dict[tuple[int, int], int] = {}  # (mb, layer) -> backward tasks left this step
+        self._bwd_count: dict[tuple[int, int], int] = {}
+        self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
+        self._mem_lock = threading.Lock()
+        self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
+                                    extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0)
+        self.gshards = None
         self.replicas = lo.ep * lo.dp
         self.mbs: dict[int, MicroBatch] = {}
         self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
@@ -240,6 +212,13 @@ class StageRunner:
             if t.kind is Kind.GRAD_RS:
                 key = (t.chunk, t.layer)
                 self._rs_buckets[key] = max(self._rs_buckets.get(key, 0), (t.bucket or 0) + 1)
+        for ts in lanes.values():
+            for t in ts:
+                if t.mb is not None and t.layer is not None and t.kind in BACKWARD_KINDS:
+                    k = (t.mb, t.layer)
+                    self._bwd_count[k] = self._bwd_count.get(k, 0) + 1
+                if t.kind in (Kind.ACT_OFFLOAD, Kind.ACT_ROFFLOAD):
+                    self._offloaded.add((t.mb, t.layer))
 
     @staticmethod
     def extra_deps(lanes: Mapping[str, list[PlanTask]]) -> dict[str, tuple[str, ...]]:
@@ -270,6 +249,8 @@ class StageRunner:
         M = cfg.parallel.microbatches
         self.mbs.clear()
         self._up.clear()
+        self._bwd_left = dict(self._bwd_count)
+        self.memory.begin_step()
         for m in range(M):
             tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
                                               cfg.model.seq_len, cfg.model.vocab)
@@ -285,6 +266,7 @@ class StageRunner:
             pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+        self.acts.end_step()
         coef = self.args.aux_loss_coef
         total = 0.0
         for mb in self.mbs.values():
@@ -312,9 +294,16 @@ class StageRunner:
         table[Kind.GRAD_RS] = self._grad_rs
         table[Kind.ACT_OFFLOAD] = self._offload
         table[Kind.ACT_ONLOAD] = self._onload
+        table[Kind.ACT_ROFFLOAD] = self._roffload
+        table[Kind.ACT_RSTORE] = self._rstore
+        table[Kind.ACT_RSERVE] = self._rserve
+        table[Kind.ACT_RONLOAD] = self._ronload
         table[Kind.OPTIM] = self._optim
+        if self.gshards is not None:
+            table.update(self.gshards.handlers())
         for k, msg in NOT_BUILT.items():
             table[k] = _not_built(msg)
+        table = {k: self._tracked(h) for k, h in table.items()}
         if self.fail_task is not None:
             table = {k: self._maybe_fail(h) for k, h in table.items()}
         return table
@@ -326,6 +315,62 @@ class StageRunner:
                 raise RuntimeError(f"injected failure (K3SCHED_FAIL_RANK={self.groups.layout.rank})")
             h(task)
         return run
+
+    def _tracked(self, h: Handler) -> Handler:
+        """Run ``h`` with the activation bookkeeping around it (see the module docstring)."""
+        def run(t: PlanTask) -> None:
+            key = (t.mb, t.layer)
+            bwd = t.kind in BACKWARD_KINDS and t.mb is not None and t.layer is not None
+            if bwd and self.acts.debug and key in self._offloaded and not self.acts.is_resident(self._buffer(t)):
+                raise RuntimeError(f"reads layer {t.layer} of micro-batch {t.mb} before its onload finished")
+            h(t)
+            if bwd and key in self._offloaded:
+                with self._mem_lock:
+                    self._bwd_left[key] -= 1
+                    last = self._bwd_left[key] == 0
+                if last:
+                    self.acts.release(self._buffer(t), self.mbs[t.mb].layers[t.layer], self._lane_fence())
+            with self._mem_lock:
+                self.memory.sample()
+        return run
+
+    def _buffer(self, t: PlanTask) -> str:
+        return f"s{self.spec.stage}/mb{t.mb}/L{t.layer}/act"
+
+    def _lane_fence(self):
+        """GPU: events on every lane stream that may still read a released buffer."""
+        if self.device.type != "cuda":
+            return None
+        evs = []
+        for s in self._streams():
+            ev = torch.cuda.Event()
+            ev.record(s)
+            evs.append(ev)
+        return evs
+
+    def _streams(self) -> list:
+        return self.lane_streams or [torch.cuda.current_stream(self.device)]
+
+    lane_streams: list = []
+
+    def _static_tensors(self) -> list[Tensor]:
+        out = list(self.params)
+        out += [p.grad for p in self.params if p.grad is not None]
+        for st in self.optimizer.state.values():
+            out += [v for v in st.values() if isinstance(v, Tensor) and v.dim() > 0]
+        if self.gshards is not None:
+            out += self.gshards.device_tensors()
+        return out
+
+    def _saved_tensors(self) -> list[Tensor]:
+        out: list[Tensor] = []
+        for mb in list(self.mbs.values()):
+            for L in self.spec.layers:
+                out += list(mb.layers[L].saved_tensors().values())
+            for c in (mb.embed, mb.head):
+                if c is not None:
+                    out += list(c.saved_tensors().values())
+        return out
 
     def _model_task(self, t: PlanTask) -> None:
         mb = self.mbs[t.mb]
@@ -401,10 +446,24 @@ class StageRunner:
         _allreduce_grads(expert, self.groups.expert)
 
     def _offload(self, t: PlanTask) -> None:
-        self.offloader.offload(t.buffer or t.id, self.mbs[t.mb].layers[t.layer])
+        self.acts.offload_local(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
 
     def _onload(self, t: PlanTask) -> None:
-        self.offloader.onload(t.buffer or t.id, self.mbs[t.mb].layers[t.layer])
+        self.acts.onload_local(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
+
+    def _roffload(self, t: PlanTask) -> None:
+        self.acts.offload_remote(self._buffer(t), self.mbs[t.mb].layers[t.layer], self.groups.pp_rank(t.peer_stage),
+                                 t.mb, t.layer, t.id)
+
+    def _ronload(self, t: PlanTask) -> None:
+        self.acts.onload_remote(self._buffer(t), self.mbs[t.mb].layers[t.layer], self.groups.pp_rank(t.peer_stage),
+                                t.mb, t.layer, t.id)
+
+    def _rstore(self, t: PlanTask) -> None:
+        self.acts.store_remote(t.buffer, self.groups.pp_rank(t.peer_stage), t.mb, t.layer, t.id)
+
+    def _rserve(self, t: PlanTask) -> None:
+        self.acts.serve_remote(t.buffer, self.groups.pp_rank(t.peer_stage), t.mb, t.layer, t.id)
 
     def _optim(self, t: PlanTask) -> None:
         rest = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
@@ -444,4 +503,4 @@ def _not_built(msg: str) -> Handler:
     return run
 
 
-__all__ = ["LANES", "HostOffload", "StageRunner", "StageSpec", "build_stage_model", "model_args", "synthetic_batch"]
+__all__ = ["LANES", "StageRunner", "StageSpec", "build_stage_model", "model_args", "synthetic_batch"]
