@@ -135,8 +135,9 @@ class ScheduleConfig(_Section):
     """Extra warm-up micro-batches for interleaved 1F1B (Kimi K2 uses them to hide EP a2a)."""
     device_memory_budget: float | None = Field(default=None, gt=0)
     """Device memory the plan may use per rank, GiB (default: hardware.device_memory_gb)."""
-    offload: Literal["none", "auto", "all"] = "auto"
-    """Activation offload: none; auto (as much as the budget needs); all."""
+    offload: Literal["none", "auto", "all", "remote"] = "auto"
+    """Activation offload: none; auto (as much as the budget needs); all; remote (like auto, but every
+    set a stage offloads goes to the next stage's memory, the last stage's to its host)."""
     remote_offload: bool = False
     """Allow offloading a stage's activations to a later stage's memory (offload_remote lane)."""
     recompute: bool = False
@@ -149,7 +150,7 @@ class ScheduleConfig(_Section):
     """K3 Pipeline ZeRO-2: fp32 gradient shards in host memory, two chunk buffers on device."""
     grad_bucket_mb: float = Field(default=256.0, gt=0)
     """DP reduce-scatter bucket size, MiB: one collective-lane task per bucket."""
-    wgrad_lag: int = Field(default=2, ge=0)
+    wgrad_lag: int = Field(default=4, ge=0)
     """How many backward chunks a WGrad task may trail its dX (k3 strategy)."""
     lookahead: int = Field(default=1, ge=0)
     """k3: backbone slots the compute lane may run ahead while the current slot waits on communication

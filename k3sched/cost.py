@@ -257,7 +257,8 @@ class CostModel:
         params = sum(sum(self.layer_params(L)) for L in layers)
         params += self.embed_params() * (int(embed) + int(head))
         weights = params * b
-        optim = params * 12 // p.dp  # fp32 master + Adam moments, ZeRO-1 over dp
+        # Adam moments (fp32) + an fp32 master copy unless the weights are fp32 already; ZeRO-1 over dp
+        optim = params * (8 if b >= 4 else 12) // p.dp
         if s.grad_offload:
             # two chunk-sized device buffers (bf16), fp32 shards on the host
             chunk = max(1, p.vpp)

@@ -171,7 +171,7 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
             k = min(slot[i] + lag, _MAX_SLOT)
         else:
             k = slot[i]
-        key.append(k * (1 << 22) + i)
+        key.append((2 * k + (1 if prep.wgrad[i] else 0)) * (1 << 22) + i)  # WGrad loses ties
     npending = [a + b for a, b in zip(prep.ndeps, prep.nsdeps)]
     unstarted = list(prep.ndeps)  # deps not yet started (for the imminent-P2P rule)
     for i in skip:
@@ -572,7 +572,7 @@ class _Search:
 
     def __init__(self, cfg: Config, slots: dict, serial: bool):
         self.cfg, self.slots, self.serial = cfg, slots, serial
-        self.fast = not cfg.schedule.remote_offload
+        self.fast = not cfg.schedule.remote_offload and cfg.schedule.offload != "remote"
         offload = cfg.schedule.offload != "none"
         first = build_step(cfg, OffloadChoice(everything=offload and self.fast))
         self.all_sets = {k for k, b in first.offload_sets.items() if b} if offload else set()
@@ -674,7 +674,7 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
             first_peaks = list(peaks)
         best_peak = peaks if best_peak is None else [min(a, b) for a, b in zip(best_peak, peaks)]
         over = [s for s in range(pp) if peaks[s] > budget]
-        if not over or policy != "auto":
+        if not over or policy not in ("auto", "remote"):
             break
         progressed = False
         for s in over:
@@ -682,7 +682,10 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
             for key in _select_offload(att.graph, att.memory[(s, "device")], s, chosen, target):
                 peer = _remote_peer(cfg, s, peaks, budget) if cfg.schedule.remote_offload else None
                 nbytes = att.graph.offload_sets[key]
-                if peer is not None and nbytes < budget - peaks[peer]:
+                if policy == "remote" and s + 1 < pp:  # forced placement: the next stage holds it
+                    chosen.remote[key] = s + 1
+                    peaks[s + 1] += nbytes
+                elif peer is not None and nbytes < budget - peaks[peer]:
                     chosen.remote[key] = peer
                     peaks[peer] += nbytes
                 else:
@@ -692,12 +695,15 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
             break
     over = [s for s in range(pp) if att.peaks[s] > budget]
     sc = cfg.schedule
-    if over and policy == "auto" and strategy == "k3" and (sc.lookahead or sc.wgrad_lag):
-        # Running ahead and deferring WGrad both hold memory: trade that overlap for memory.
-        lean = cfg.model_copy(update={"schedule": sc.model_copy(update={"lookahead": 0, "wgrad_lag": 0})})
+    if over and policy in ("auto", "remote") and strategy == "k3" and (sc.lookahead or sc.wgrad_lag):
+        # Deferring WGrad and running ahead both hold memory: trade that overlap for memory, a step
+        # at a time (halve the WGrad lag down to none, then drop the look-ahead too).
+        lag = sc.wgrad_lag // 2
+        la = sc.lookahead if sc.wgrad_lag else 0
+        lean = cfg.model_copy(update={"schedule": sc.model_copy(update={"lookahead": la, "wgrad_lag": lag})})
         try:
             p = _plan(lean, strategy, schedule, confirm=False)
-            p.metrics["memory_lean"] = True
+            p.metrics["memory_lean"] = {"lookahead": p.cfg.schedule.lookahead, "wgrad_lag": p.cfg.schedule.wgrad_lag}
             return p
         except InfeasibleBudget:
             pass
@@ -712,5 +718,5 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
                                  "total": len(search.all_sets)}
     metrics["budget_bytes"] = budget
     # per-stage peak before the planner offloaded anything (policy auto; None otherwise)
-    metrics["peak_device_bytes_before_offload"] = first_peaks if policy == "auto" else None
+    metrics["peak_device_bytes_before_offload"] = first_peaks if policy in ("auto", "remote") else None
     return Plan(cfg, g, strategy, sched.name, att.lane_orders, att.memory, metrics, ranks)
