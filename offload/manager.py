@@ -322,6 +322,7 @@ class ActivationManager:
         return base, base + 2  # (to the peer, back to the owner); +1: payload
 
     def _isend(self, t: Tensor, dst: int, tag: int):
+        """Asynchronous send, waited (once: a gloo Work must not be waited twice) at the step end."""
         work = dist.isend(t, dst=dst, group=self.remote_group, tag=tag)
         with self._lock:
             self._pending.append((work, t))
@@ -342,8 +343,12 @@ class ActivationManager:
         del srcs
         to_peer, _ = self._tags(mb, layer)
         self._isend(torch.tensor([pack], dtype=torch.int64, device=self.device), peer_rank, to_peer)
-        work = self._isend(buf[:pack], peer_rank, to_peer + 1)
-        self.device_pool.release(buf, work)  # reused only once the send completed
+        work = dist.isend(buf[:pack], dst=peer_rank, group=self.remote_group, tag=to_peer + 1)
+        # The task ends when the peer holds the set (as the plan frees the device bytes at its end);
+        # the peer's matching act.rstore comes in the same order (checked at start-up), and every
+        # other send is asynchronous, so this wait cannot close a cycle.
+        work.wait()
+        self.device_pool.release(buf, self._fence())
         self._delay()
         with self._lock:
             self._sets[buffer] = _Set(buffer, st, nbytes, pack, "peer")
@@ -362,14 +367,17 @@ class ActivationManager:
         return n
 
     def serve_remote(self, buffer: str, owner_rank: int, mb: int, layer: int, task: str = "?") -> int:
-        """act.rserve (peer): send a kept set back to its owner; the buffer returns to the pool
-        once the send completed."""
+        """act.rserve (peer): send a kept set back to its owner (the task ends when the owner's
+        act.ronload received it); the buffer returns to the pool."""
         with self._lock:
             rec = self._held.pop(buffer)
         _, back = self._tags(mb, layer)
         self._isend(torch.tensor([rec.nbytes], dtype=torch.int64, device=self.device), owner_rank, back)
-        work = self._isend(rec.device[:rec.nbytes], owner_rank, back + 1)
-        self.peer_pool.release(rec.device, work)
+        work = dist.isend(rec.device[:rec.nbytes], dst=owner_rank, group=self.remote_group, tag=back + 1)
+        # held until the owner has it (a gloo Work reports completion only once waited, so the
+        # pool is given the finished send, not the Work)
+        work.wait()
+        self.peer_pool.release(rec.device, self._fence())
         return rec.nbytes
 
     def onload_remote(self, buffer: str, lc, peer_rank: int, mb: int, layer: int, task: str = "?") -> int:

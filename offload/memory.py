@@ -6,8 +6,9 @@ On CPU, where "device" and "host" are the same RAM, the accounting is the pools'
 ``device`` = parameters + gradients + optimizer state + gradient-shard device buffers (distinct
 storages) + saved activations resident on the device (distinct storages of every live saved
 tensor; placeholders of offloaded tensors and device-pool buffers are not counted twice) +
-the device pool's reserved bytes; ``host`` = the host pool's reserved bytes (+ host gradient
-shards); ``peer`` = bytes the peer pool holds for other ranks. These are the quantities the
+the device pool's held bytes (handed out, or free with a copy still in flight: like
+``memory_allocated``, cached free buffers are not counted; ``stats.reserved`` has them);
+``host`` = the host pool's reserved bytes (+ host gradient shards); ``peer`` = bytes the peer pool holds for other ranks. These are the quantities the
 planner's memory model predicts (``peak_device_bytes`` includes bytes held for peers, so the
 comparable measured peak is ``device + peer``).
 """
@@ -77,7 +78,7 @@ class MemoryTracker:
             else:  # pragma: no cover
                 saved = []
             skip = pools.device_pool.ptrs | pools.peer_pool.ptrs
-            dev = _distinct_bytes(self.static()) + _distinct_bytes(saved, skip) + pools.device_pool.reserved
+            dev = _distinct_bytes(self.static()) + _distinct_bytes(saved, skip) + pools.device_pool.held()
             peak = dev + peer
         s = (now, dev, host, peer)
         self.samples.append(s)

@@ -71,8 +71,20 @@ def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:
     entry = next((s for s in plan["stages"] if s["stage"] == stage), None)
     if entry is None:
         raise ValueError(f"plan has no stage {stage} (stages: {[s['stage'] for s in plan['stages']]})")
-    start = entry.get("start_deps") or {}
-    return {lane: [PlanTask.from_json(t, tuple(start.get(t["id"], ()))) for t in entry["lanes"].get(lane, [])]
+    start = dict(entry.get("start_deps") or {})
+    prefix = f"s{stage}/"
+    # The prefetch trigger of a remote onload is planned as a start dependency of the peer's
+    # act.rserve on the owner's backward task, which the peer cannot wait on: the owner's
+    # act.ronload waits for it instead (its receive then completes once the peer has served).
+    for other in plan["stages"]:
+        for tid, deps in (other.get("start_deps") or {}).items():
+            if tid.endswith("/act.rserve") and other["stage"] != stage:
+                mine = [d for d in deps if d.startswith(prefix)]
+                if mine:
+                    ron = prefix + tid.split("/", 1)[1].replace("act.rserve", "act.ronload")
+                    start[ron] = list(start.get(ron, [])) + mine
+    return {lane: [PlanTask.from_json(t, tuple(d for d in start.get(t["id"], ()) if d.startswith(prefix)))
+                   for t in entry["lanes"].get(lane, [])]
             for lane in LANES}
 
 

@@ -504,3 +504,56 @@ def _not_built(msg: str) -> Handler:
 
 
 __all__ = ["LANES", "StageRunner", "StageSpec", "build_stage_model", "model_args", "synthetic_batch"]
+
+
+REMOTE_KINDS = (Kind.ACT_ROFFLOAD, Kind.ACT_RSTORE, Kind.ACT_RSERVE, Kind.ACT_RONLOAD)
+
+
+def build_remote_group(groups: Groups, plan: Mapping):
+    """The offload_remote lane's own communicator: the ranks of this rank's (dp, ep) column across
+    PP stages (the pp group's members, a separate process group), created on every rank when the
+    plan has remote offload tasks (every rank plans the same, so all create it or none does)."""
+    kinds = {t["kind"] for st in plan["stages"] for t in st["lanes"].get("offload_remote", [])}
+    lo = groups.layout
+    if not kinds or lo.pp < 2:
+        return None
+    mine = None
+    for d in range(lo.dp):
+        for e in range(lo.ep):
+            pg = dist.new_group([lo.rank_of(s, d, e) for s in range(lo.pp)])
+            if (d, e) == (lo.dp_idx, lo.ep_idx):
+                mine = pg
+    return mine
+
+
+def remote_order(lanes: Mapping[str, list[PlanTask]], stage: int) -> dict[str, dict[int, list]]:
+    """Transfers of the offload_remote lane by peer stage, in lane order: ``send`` (roffload,
+    rserve) and ``recv`` (rstore, ronload) keys ``(direction, mb, layer)``."""
+    out: dict[str, dict[int, list]] = {"send": {}, "recv": {}}
+    for t in lanes.get("offload_remote", []):
+        d = "out" if t.kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RSTORE) else "back"
+        side = "send" if t.kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RSERVE) else "recv"
+        out[side].setdefault(t.peer_stage, []).append([d, t.mb, t.layer])
+    return out
+
+
+def verify_remote_orders(groups: Groups, lanes: Mapping[str, list[PlanTask]], stage: int) -> None:
+    """Start-up check: the remote sends of stage a to stage b are, in order, b's receives from a
+    (else the offload_remote lanes would deadlock). Uses the pp group (outside any lane)."""
+    from .groups import GroupOrderError
+
+    if groups.pp is None:
+        return
+    mine = remote_order(lanes, stage)
+    got: list = [None] * dist.get_world_size(groups.pp)
+    dist.all_gather_object(got, (stage, mine), group=groups.pp)
+    by_stage = {s: o for s, o in got}
+    for a, oa in by_stage.items():
+        for b, sends in oa["send"].items():
+            recvs = by_stage.get(b, {"recv": {}})["recv"].get(a, [])
+            if sends != recvs:
+                i = next((i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y), min(len(sends), len(recvs)))
+                x = sends[i] if i < len(sends) else "nothing"
+                y = recvs[i] if i < len(recvs) else "nothing"
+                raise GroupOrderError(f"offload_remote: transfer #{i} from stage {a} to stage {b}: stage {a} sends "
+                                      f"{x}, stage {b} receives {y}")

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=float(os.environ.get(TIMEOUT_ENV, "120")),
                     help="collective and dependency-wait timeout, seconds")
     ap.add_argument("--dump-grads", action="store_true", help="write grads_rank{R}.pt (step 0, before AdamW)")
+    ap.add_argument("--dump-params", action="store_true", help="write params_rank{R}.pt (after the last step)")
+    ap.add_argument("--offload-debug", action="store_true",
+                    help="checksum every offloaded activation and verify it on onload (env K3SCHED_OFFLOAD_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo even when CUDA is present")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
@@ -61,6 +64,10 @@ def _env_int(name: str, default: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if os.environ.get("K3SCHED_STACKS_AFTER_S"):  # debugging aid: dump every thread's stack once
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["K3SCHED_STACKS_AFTER_S"]), exit=False)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +114,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
 
     from runtime.executor import PERTURB_ENV, Executor, parse_perturb, perturb_lanes, stage_lanes
     from runtime.groups import Layout, build_groups, verify_orders, verify_same_plan
-    from runtime.stage import StageRunner, StageSpec
+    from runtime.stage import StageRunner, StageSpec, build_remote_group, verify_remote_orders
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -148,12 +155,15 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     fail_task = None
     if os.environ.get(FAIL_RANK_ENV, "") == str(rank):
         fail_task = os.environ.get(FAIL_TASK_ENV) or "*"
+    remote_group = build_remote_group(groups, doc)
     runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
-                         fail_task=fail_task)
+                         fail_task=fail_task, remote_group=remote_group,
+                         offload_debug=True if args.offload_debug else None)
     runner.bind_plan(lanes)
     perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
     perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
+    verify_remote_orders(groups, lanes, stage)
     ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device, perturb=None,
                   extra_deps=runner.extra_deps(lanes), dep_timeout_s=args.timeout)
     ex.perturbed = perturbed
@@ -169,7 +179,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         console.print(f"k3sched run: {args.config} | {doc['strategy']} plan, {doc['pipeline']} | world {world} "
                       f"(pp {p.pp} x dp {p.dp} x ep {p.ep}) | {device.type} | predicted step "
                       f"{predicted_us / 1e3:.1f} ms")
+    runner.lane_streams = [ex._cuda.stream(lane) for lane in ex.lanes] if ex._cuda is not None else []
+    planned_peak = doc["metrics"]["peak_device_bytes"][stage]
     losses, times, record = [], [], None
+    peaks: list[int] = []
     try:
         for step in range(args.steps):
             if dist.is_initialized():
@@ -190,9 +203,11 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             loss, dt = float(loss_t) / (M * R), float(time_t)
             losses.append(loss)
             times.append(dt)
+            peaks.append(runner.memory.peak_device)
             if console is not None:
                 console.print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  step {dt * 1e3:8.1f} ms  "
-                              f"{tokens_per_step / dt:10,.0f} tok/s")
+                              f"{tokens_per_step / dt:10,.0f} tok/s  peak device {runner.memory.peak_device / 2**20:.2f} "
+                              f"MiB (plan {planned_peak / 2**20:.2f} MiB, stage {stage})")
         # trace of the last step, aligned so the earliest task of any rank starts at 0
         t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
                           dtype=torch.float64)
@@ -201,9 +216,21 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             dist.all_reduce(t0, op=dist.ReduceOp.MIN)
         if record is not None:
             trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
+            trace["traceEvents"] += runner.memory.counter_events(rank, float(t0))
+            trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
+            trace["otherData"]["plan_peak_device_bytes"] = planned_peak
             (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
     finally:
         ex.close()
+    if args.dump_params:
+        torch.save({n: q.detach().cpu().clone() for n, q in runner.model.named_parameters()}, out / f"params_rank{rank}.pt")
+    mem = torch.tensor([runner.memory.peak_device, runner.memory.peak_host, runner.memory.peak_peer],
+                       dtype=torch.float64)
+    mems = [mem]
+    if dist.is_initialized():
+        mems = [torch.zeros_like(mem).to(device) for _ in range(world)]
+        dist.all_gather(mems, mem.to(device))
+    mems = [[int(x) for x in m.cpu().tolist()] for m in mems]
     if rank == 0:
         steady = sorted(times[1:] or times)
         measured = steady[len(steady) // 2] if steady else 0.0
@@ -216,8 +243,20 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             "predicted_step_time_us": predicted_us, "measured_step_time_us": measured * 1e6,
             "measured_over_predicted": (measured * 1e6 / predicted_us) if predicted_us else None,
             "perturbed": list(ex.perturbed) if ex.perturbed else None,
+            "budget_bytes": doc["metrics"].get("budget_bytes"),
+            "peak_device_bytes_planned": doc["metrics"]["peak_device_bytes"],
+            "peak_device_bytes_measured": [m[0] for m in mems],
+            "peak_host_bytes_measured": [m[1] for m in mems],
+            "peak_peer_bytes_measured": [m[2] for m in mems],
+            "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r).pp_idx for r in range(world)],
+            "offloaded_sets": doc["metrics"].get("offloaded_sets"),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if show:
+        planned = doc["metrics"]["peak_device_bytes"]
+        console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
+            f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r).pp_idx] / 2**20:.2f}"
+            for r, m in enumerate(mems)))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
