@@ -280,6 +280,8 @@ def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *
             # nsys 2022.4 can hang when the profiled program exits at once; end what we started
             _end_session(p)
             raise TraceError(f"{out}: {step} timed out after {timeout_s:.0f} s") from None
+        if args[1] == "profile":
+            _end_session(p, agents_only=True)  # 2022.4 leaves its agent spinning after the capture
         if p.returncode != 0:
             last = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"])[-1]
             raise TraceError(f"{out}: {step} failed (exit {p.returncode}): {last}")
@@ -300,7 +302,7 @@ def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *
     return sql
 
 
-def _end_session(p: subprocess.Popen) -> None:
+def _end_session(p: subprocess.Popen, agents_only: bool = False) -> None:
     """Kill a timed-out nsys step we started: its process, its descendants, and the profiling
     agent it daemonised (found by its session name ``profile-*-<nsys pid>``), each by pid."""
     import signal
@@ -318,14 +320,15 @@ def _end_session(p: subprocess.Popen) -> None:
         if b"--start-agent" in argv and any(a.startswith(b"--session-name=profile-") and a.endswith(suffix)
                                             for a in argv):
             agents.append(int(d.name))
-    victims, frontier = [], [p.pid]
+    victims, frontier = [], ([] if agents_only else [p.pid])
     while frontier:
         kids = [c for c, pp in parents.items() if pp in frontier]
         victims += kids
         frontier = kids
-    for pid in [p.pid, *victims, *agents]:
+    for pid in ([] if agents_only else [p.pid]) + victims + agents:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    p.communicate()
+    if not agents_only:
+        p.communicate()
