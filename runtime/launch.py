@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-UNSUPPORTED_KINDS: dict[str, str] = {}  # task kind -> the option that makes the planner emit it
+UNSUPPORTED_KINDS = {"gshard.onload": "schedule.grad_offload", "gshard.add": "schedule.grad_offload",
+                     "gshard.offload": "schedule.grad_offload"}  # task kind -> the option that emits it
 
 
 def free_port() -> int:
