@@ -43,7 +43,7 @@ def main() -> int:
         "no offload": ref,
         "local offload (budget 1/2 peak)": _run(tmp / "local", base + [f"schedule.device_memory_budget={half!r}"],
                                                 args.steps),
-        "remote offload (stage 0 -> 1)": _run(tmp / "remote", [f"schedule.profile={prof}", "schedule.lookahead=0",
+        "remote offload (1F1B lean, s0 -> s1)": _run(tmp / "remote", [f"schedule.profile={prof}", "schedule.lookahead=0",
                                                               "schedule.wgrad_lag=0", "schedule.offload=remote",
                                                               f"schedule.device_memory_budget={21.5 / 1024!r}"],
                                               args.steps),

@@ -266,4 +266,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
 if __name__ == "__main__":
     if not __package__:  # run as a file (``deepspeed runtime/train.py ...``): make the packages importable
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    sys.exit(main())
+    code = main()
+    # Outputs are written and the process group is destroyed: leave without interpreter teardown,
+    # where a gloo thread's destructor racing the lane threads (daemons) occasionally aborted a
+    # rank ("terminate called without an active exception") after a successful run.
+    _hard_exit(code)
