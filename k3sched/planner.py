@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -618,28 +619,48 @@ class _Search:
 
 def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], best_peak: list[int],
                         policy: str) -> str:
-    """One line: which stage misses the budget and the smallest budget that plans. The smallest
-    peak seen while searching is a candidate; it is confirmed by planning with it (a few rounds,
-    since the search takes another path under another budget)."""
+    """One line: which stage misses the budget and the smallest budget that plans.
+
+    The smallest peak seen while searching is a first candidate; it is confirmed by planning with
+    it (raised while it does not plan), then a bisection between the failing budget and the
+    confirmed one narrows it (to 1 MiB or 1%, at most 5 more plans started within 3 s). The value
+    printed is a budget that was planned."""
     budget = cfg.budget_bytes
     s = max(range(len(peaks)), key=lambda i: peaks[i] - budget)
-    need = max(best_peak)
-    for _ in range(4):
-        cand_gib = math.ceil(need / GiB * 1000) / 1000  # the value printed is the value confirmed
-        cand = int(cand_gib * GiB)
+    ceil_gib = lambda b: math.ceil(b / GiB * 1000) / 1000  # noqa: E731 - printed with 3 decimals
+
+    def plans(gib: float) -> tuple[bool, int]:
         trial = cfg.model_copy(deep=True)
-        trial.schedule.device_memory_budget = cand_gib
+        trial.schedule.device_memory_budget = gib
         try:
             _plan(trial, strategy, schedule, confirm=False)
-            break
+            return True, 0
         except InfeasibleBudget as e:
-            need = max(cand + GiB // 1000, e.args[1] if len(e.args) > 1 else 0)
-    else:
-        cand = None
-    feasible = (f"the smallest feasible budget is {cand_gib:.3f} GiB" if cand is not None
-                else f"no budget up to {need / GiB:.3f} GiB plans")
+            return False, int(e.args[1]) if len(e.args) > 1 else 0
+
+    hi, need = None, max(best_peak)
+    for _ in range(3):
+        cand = ceil_gib(need)
+        ok, seen = plans(cand)
+        if ok:
+            hi = cand
+            break
+        need = max(int(cand * GiB * 1.25), seen)
+    if hi is None:
+        return (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
+                f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; no budget up to {need / GiB:.3f} GiB plans")
+    lo = budget / GiB  # known not to plan
+    deadline = time.perf_counter() + 3.0
+    for _ in range(5):  # bisection: at most 5 more plans, started within 3 s
+        if hi - lo <= max(0.001, 0.01 * hi) or time.perf_counter() > deadline:
+            break
+        mid = ceil_gib((lo + hi) / 2 * GiB)
+        if mid >= hi:
+            break
+        ok, _ = plans(mid)
+        lo, hi = (lo, mid) if ok else (mid, hi)
     return (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
-            f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; {feasible}")
+            f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; the smallest feasible budget is {hi:.3f} GiB")
 
 
 def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
@@ -667,6 +688,7 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
     chosen = OffloadChoice(local=set(search.all_sets) if policy == "all" else set())
     best_peak: list[int] | None = None
     first_peaks: list[int] | None = None
+    best_excess, stalled = None, 0
     for _ in range(64):
         att = search.run(chosen)
         peaks = list(att.peaks)
@@ -675,6 +697,11 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
         best_peak = peaks if best_peak is None else [min(a, b) for a, b in zip(best_peak, peaks)]
         over = [s for s in range(pp) if peaks[s] > budget]
         if not over or policy not in ("auto", "remote"):
+            break
+        excess = sum(peaks[s] - budget for s in over)
+        stalled = 0 if best_excess is None or excess < 0.99 * best_excess else stalled + 1
+        best_excess = excess if best_excess is None else min(best_excess, excess)
+        if stalled >= 3:  # offloading more no longer lowers the peaks (copies cannot keep up)
             break
         progressed = False
         for s in over:
