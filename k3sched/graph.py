@@ -376,17 +376,19 @@ class _Builder:
                     dense, expert = cost.layer_params(L)
                     shard = 4 * (dense // (p.ep * p.dp) + expert // p.dp)
                     group = max(1, p.pp)
-                    prev_off = None
+                    prev_off = prev_add = None
                     for g0 in range(0, M, group):
                         mbs = range(g0, min(M, g0 + group))
                         m = mbs[-1]
                         deps = [w for mm in mbs for w in self.wgrads[(mm, L)]]
                         if reduce:
-                            deps = self.grad_rs(v, m, L, deps)
+                            # the reduce-scatter writes the layer's region of the chunk's device
+                            # buffer, which the previous group's gshard.add must have read
+                            deps = self.grad_rs(v, m, L, deps + [prev_add])
                         on = self.add(Kind.GSHARD_ONLOAD, v, "W", m, layer=L, nbytes=shard,
                                       alloc=Mem(device=shard), deps=[prev_off])
                         self.start_deps[on] = [self.wgrads[(m, L)][0]]
-                        add = self.add(Kind.GSHARD_ADD, v, "W", m, layer=L, deps=deps + [on], nbytes=shard)
+                        add = prev_add = self.add(Kind.GSHARD_ADD, v, "W", m, layer=L, deps=deps + [on], nbytes=shard)
                         prev_off = last = self.add(Kind.GSHARD_OFFLOAD, v, "W", m, layer=L, deps=[add],
                                                    nbytes=shard, free=Mem(device=shard))
                     optim_deps.setdefault(stage, []).append(last)
