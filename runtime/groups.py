@@ -11,6 +11,9 @@ Groups (``None`` where the group would have one rank):
   dense   collective lane  ranks with the same pp (ep * dp of them): grad.rs of non-expert weights
   expert  collective lane  ranks with the same (pp, ep): grad.rs of expert weights (over dp)
   optim   compute lane     like ``dense``: optim.run reduces embed / head / final-norm gradients
+                           (and, with schedule.grad_offload, all-gathers the dense parameter shards)
+  optim_expert compute lane like ``expert``: optim.run all-gathers the expert parameter shards
+                           (schedule.grad_offload; the collective lane keeps ``expert`` to itself)
   world   main thread      between steps only (loss and step-time reductions, barriers)
 Every rank creates every group in the same order (torch.distributed.new_group requires it).
 """
@@ -68,6 +71,7 @@ class Groups:
     dense: object | None = None
     expert: object | None = None
     optim: object | None = None
+    optim_expert: object | None = None
     world: object | None = None
 
     def pp_rank(self, stage: int) -> int:
@@ -85,6 +89,7 @@ def _members(lo: Layout) -> dict[str, list[list[int]]]:
         "dense": [[r(p, d, e) for d in range(lo.dp) for e in range(lo.ep)] for p in range(lo.pp)],
         "expert": [[r(p, d, e) for d in range(lo.dp)] for p in range(lo.pp) for e in range(lo.ep)],
         "optim": [[r(p, d, e) for d in range(lo.dp) for e in range(lo.ep)] for p in range(lo.pp)],
+        "optim_expert": [[r(p, d, e) for d in range(lo.dp)] for p in range(lo.pp) for e in range(lo.ep)],
     }
 
 
@@ -114,7 +119,7 @@ def group_orders(lanes: Mapping[str, list[PlanTask]]) -> dict[str, list[list]]:
     ep = [_sig(t) for t in lanes["ep"]]
     rs = [_sig(t) for t in lanes["collective"] if t.kind is Kind.GRAD_RS]
     optim = [_sig(t) for t in lanes["compute"] if t.kind is Kind.OPTIM]
-    return {"ep": ep, "dense": rs, "expert": rs, "optim": optim}
+    return {"ep": ep, "dense": rs, "expert": rs, "optim": optim, "optim_expert": optim}
 
 
 def p2p_order(lanes: Mapping[str, list[PlanTask]], peer_of) -> dict[str, dict[int, list]]:
@@ -144,7 +149,7 @@ def verify_orders(groups: Groups, lanes: Mapping[str, list[PlanTask]], peer_of, 
     Equal-order groups (ep, dense, expert, optim) must agree exactly; on the pp group, the sends of
     stage a to stage b must be, in order, the receives of b from a."""
     orders = group_orders(lanes)
-    for name in ("ep", "dense", "expert", "optim"):
+    for name in ("ep", "dense", "expert", "optim", "optim_expert"):
         pg = getattr(groups, name)
         if pg is None:
             continue

@@ -19,7 +19,10 @@ task kind to a handler (:meth:`StageRunner.handlers`):
   resident, the last backward task of an onloaded set releases its device buffer to the pool, and
   the memory tracker samples device / host / peer bytes after each task ([Note: measured memory]);
 - grad.rs / gshard.* / optim.run with ``schedule.grad_offload`` -> :class:`offload.GradShards`
-  ([Note: sharded gradients]);
+  ([Note: sharded gradients]): the layers' dW tasks (and router.bwd) accumulate into the flush
+  group's gradient, grad.rs reduce-scatters it into the chunk's device buffer, the host fp32
+  shard is onloaded, added to and offloaded, and optim.run steps AdamW on the host shards and
+  all-gathers the layers' parameters (optim / optim_expert groups, compute lane);
 - optim.run -> reduce embed/head/final-norm gradients (optim group), AdamW step, zero grads.
 
 [Note: shared.dx beside combine.bwd]
@@ -49,12 +52,14 @@ from k3sched.tasks import LANES, Kind
 from moe import INTRA_LAYER_DEPS, LayerCtx, MicroBatch, MoEModel, MoEModelArgs, init_full_state
 
 from offload import ActivationManager, MemoryTracker, PolicyTable
+from offload.gradshard import GradShards
 
 from .executor import Handler, PlanTask
 from .groups import Groups
 
 NOT_BUILT: dict[Kind, str] = {}
 BACKWARD_KINDS = frozenset(k for k in Kind if k.phase in ("dx", "dw", "bwd", "re"))
+GRAD_WRITERS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP_DW, Kind.ROUTER_BWD})
 
 
 def model_args(cfg: Config) -> MoEModelArgs:
@@ -182,16 +187,26 @@ class StageRunner:
         self.seed = seed
         self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device)
         self.params = [p for p in self.model.parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
                                       copy_delay_s=copy_delay_s, remote_group=remote_group)
+        self.gshards: GradShards | None = None
+        opt_params = self.params
+        if cfg.schedule.grad_offload:
+            chunk_of = {L: c for c, v in spec.chunk_vstage.items() for L in spec.vstage_layers[v]}
+            self.gshards = GradShards({L: self.model.layers[L] for L in spec.layers}, chunk_of,
+                                      is_expert=MoEModel.is_expert_param, device=self.device,
+                                      device_pool=self.acts.device_pool, rs_groups=(groups.dense, groups.expert),
+                                      ag_groups=(groups.optim, groups.optim_expert), lr=lr,
+                                      weight_decay=weight_decay, copy_delay_s=self.acts.copy_delay_s)
+            opt_params = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
+        # with grad_offload the layers' parameters are stepped by GradShards on host shards
+        self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay) if opt_params else None
         self._bwd_left: dict[tuple[int, int], int] = {}  # (mb, layer) -> backward tasks left this step
         self._bwd_count: dict[tuple[int, int], int] = {}
         self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
         self._mem_lock = threading.Lock()
         self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
                                     extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0)
-        self.gshards = None
         self.replicas = lo.ep * lo.dp
         self.mbs: dict[int, MicroBatch] = {}
         self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
@@ -219,6 +234,8 @@ class StageRunner:
                     self._bwd_count[k] = self._bwd_count.get(k, 0) + 1
                 if t.kind in (Kind.ACT_OFFLOAD, Kind.ACT_ROFFLOAD):
                     self._offloaded.add((t.mb, t.layer))
+        if self.gshards is not None:
+            self.gshards.bind(lanes)
 
     @staticmethod
     def extra_deps(lanes: Mapping[str, list[PlanTask]]) -> dict[str, tuple[str, ...]]:
@@ -267,6 +284,8 @@ class StageRunner:
         for work, _ in pending:
             work.wait()
         self.acts.end_step()
+        if self.gshards is not None:
+            self.gshards.end_step()
         coef = self.args.aux_loss_coef
         total = 0.0
         for mb in self.mbs.values():
@@ -356,7 +375,7 @@ class StageRunner:
     def _static_tensors(self) -> list[Tensor]:
         out = list(self.params)
         out += [p.grad for p in self.params if p.grad is not None]
-        for st in self.optimizer.state.values():
+        for st in (self.optimizer.state.values() if self.optimizer is not None else ()):
             out += [v for v in st.values() if isinstance(v, Tensor) and v.dim() > 0]
         if self.gshards is not None:
             out += self.gshards.device_tensors()
@@ -374,7 +393,11 @@ class StageRunner:
 
     def _model_task(self, t: PlanTask) -> None:
         mb = self.mbs[t.mb]
-        self.model.run(t.kind, mb, t.layer, self.groups.ep)
+        if self.gshards is not None and t.kind in GRAD_WRITERS:
+            with self.gshards.accumulating(t.mb, t.layer):
+                self.model.run(t.kind, mb, t.layer, self.groups.ep)
+        else:
+            self.model.run(t.kind, mb, t.layer, self.groups.ep)
         if t.kind is Kind.HEAD_DX:
             self._keep_up(t.mb, self.args.layers, mb.grads[self.args.layers])
         elif t.kind is Kind.ATTN_DX:
@@ -468,13 +491,19 @@ class StageRunner:
     def _optim(self, t: PlanTask) -> None:
         rest = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
         _allreduce_grads(rest, self.groups.optim)
-        for p in self.params:
+        stepped = rest if self.gshards is not None else self.params
+        for p in stepped:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.capture_grads:
             self.captured, self.capture_grads = self.grads(), False
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            if self.gshards is not None:  # the layers' gradients live in the host shards
+                self.captured.update({f"layers.{L}.{n}": g for (L, n), g in self.gshards.full_grads().items()})
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.gshards is not None:
+            self.gshards.step()
 
     def grads(self) -> dict[str, Tensor]:
         """Current gradients by full parameter name (this rank's slices)."""
