@@ -102,7 +102,6 @@ class _Prepared:
     stage: list[int]
     lane: list[int]
     slot: list[int]
-    key_base: list[int]
     wgrad: list[bool]
     main: list[bool]
     p2p: list[bool]
@@ -146,7 +145,7 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
             ssucc[index[d]].append(i)
         nsdeps.append(len(sd))
     feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
-    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, [], wgrad, main, p2p, bg, dur, feeds)
+    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds)
 
 
 def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
