@@ -87,9 +87,34 @@ def test_dependency_within_tolerance_is_not_reported():
 
 def test_cross_stage_dependency_needs_comparable_clocks():
     consumer, producer = "s1/mb0/v0/act.recv", "s0/mb0/v0/act.send"
-    ev = synth.start_before_end_of(_events(jitter=0.0), consumer, producer, by_us=25.0)
+    ev = synth.end_before_start_of(_events(jitter=0.0), consumer, producer, by_us=25.0)
     assert not _check(ev).by_type("dependency")
     assert _ids(_check(ev, cross_rank_clocks=True), "dependency") == {consumer}
+
+
+RECV_SEND = [("s1/mb0/v0/act.recv", "s0/mb0/v0/act.send"), ("s0/mb1/v0/grad.recv", "s1/mb1/v0/grad.send")]
+REMOTE = [("s0/mb0/L1/act.rstore", "s1/mb0/L1/act.roffload"), ("s1/mb1/L1/act.ronload", "s0/mb1/L1/act.rserve")]
+
+
+@pytest.mark.parametrize("recv, send", RECV_SEND + REMOTE)
+def test_receive_posted_before_its_send_conforms(recv, send):
+    # a receive waits for its send: starting before the send (even before it starts) is legal
+    plan = synth.with_remote_peer_tasks(PLAN) if (recv, send) in REMOTE else PLAN
+    ev = synth.post_early(synth.trace_from_plan(plan), recv, send, by_us=25.0)
+    rep = validate(plan, table_from_runtime(ev), cross_rank_clocks=True)
+    assert rep.conforms, rep.render()
+
+
+@pytest.mark.parametrize("recv, send", RECV_SEND + REMOTE)
+def test_receive_ending_before_its_send_starts_is_dependency(recv, send):
+    plan = synth.with_remote_peer_tasks(PLAN) if (recv, send) in REMOTE else PLAN
+    ev = synth.end_before_start_of(synth.trace_from_plan(plan), recv, send, by_us=30.0)
+    rep = validate(plan, table_from_runtime(ev), cross_rank_clocks=True)
+    deps = [v for v in rep.by_type("dependency") if v.task_id == recv]
+    assert deps and send in deps[0].detail and "before its send" in deps[0].detail, rep.render()
+    assert deps[0].magnitude_us == pytest.approx(30.0)
+    # different clocks: not compared
+    assert recv not in _ids(validate(plan, table_from_runtime(ev)), "dependency")
 
 
 def test_dropped_task_reported_as_missing():

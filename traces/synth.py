@@ -205,6 +205,48 @@ def start_before_end_of(events, task_id: str, other: str, by_us: float = 25.0, r
     return ev
 
 
+def post_early(events, task_id: str, other: str, by_us: float = 25.0, rank=None) -> list[dict]:
+    """Start ``task_id`` ``by_us`` before ``other`` starts, keeping its end (a receive posted
+    before its send, waiting for the data: legal, see [Note: validation rules])."""
+    ev = copy.deepcopy(events)
+    e, o = _find(ev, task_id, rank), _find(ev, other)
+    end = e["ts"] + e["dur"]
+    e["ts"] = o["ts"] - by_us
+    e["dur"] = end - e["ts"]
+    return ev
+
+
+def end_before_start_of(events, task_id: str, other: str, by_us: float = 25.0, rank=None) -> list[dict]:
+    """Move ``task_id`` so it ends ``by_us`` before ``other`` starts (a receive that completed
+    before its send began: impossible on a real link)."""
+    ev = copy.deepcopy(events)
+    e, o = _find(ev, task_id, rank), _find(ev, other)
+    e["ts"] = o["ts"] - by_us - e["dur"]
+    return ev
+
+
+def with_remote_peer_tasks(plan: dict) -> dict:
+    """A copy of ``plan`` (e.g. :func:`small_plan`) in which every act.roffload of stage s to
+    ``peer_stage`` p has the peer-side tasks the real planner emits: act.rstore on p (deps: the
+    roffload) and act.rserve on p (deps: the rstore), and the owner's act.ronload depends on the
+    rserve; rescheduled."""
+    plan = copy.deepcopy(plan)
+    by_stage = {st["stage"]: st for st in plan["stages"]}
+    for st in list(plan["stages"]):
+        for off in [t for t in st["lanes"]["offload_remote"] if t["kind"] == "act.roffload"]:
+            peer = off["peer_stage"]
+            kw = dict(mb=off["mb"], layer=off["layer"], buffer=off["buffer"], peer_stage=st["stage"],
+                      nbytes=off["bytes"])
+            store = _task(peer, "act.rstore", deps=[off["id"]], **kw)
+            serve = _task(peer, "act.rserve", deps=[store["id"]], **kw)
+            by_stage[peer]["lanes"]["offload_remote"] += [store, serve]
+            ron = format_task_id(st["stage"], Kind.ACT_RONLOAD, mb=off["mb"], layer=off["layer"])
+            for t in st["lanes"]["offload_remote"]:
+                if t["id"] == ron:
+                    t["deps"] = [serve["id"]]
+    return schedule(plan)
+
+
 def drop_task(events, task_id: str, rank=None) -> list[dict]:
     ev = copy.deepcopy(events)
     victim = _find(ev, task_id, rank)

@@ -17,6 +17,11 @@ Violation types, each with (type, task_id, rank, detail, magnitude_us):
 - ``dependency``: a consumer started before its producer ended (beyond ``tolerance_us``). Only
   comparable clocks are compared: the same rank, or, with ``cross_rank_clocks=True``, the
   producer stage's rank of the same replica index.
+  Receive ends of a transfer are the exception: a P2P receive is posted early and waits for its
+  send, so its start may precede the send's end. For a receive-side consumer of its sending
+  producer -- ``act.recv`` / ``grad.recv`` of ``act.send`` / ``grad.send``, ``act.rstore`` (the
+  peer side) of ``act.roffload``, ``act.ronload`` of ``act.rserve`` (see ``RECV_OF``) -- the rule
+  compares the receive's END with the send's START: the data cannot arrive before the send began.
 - ``onload_before_offload``: act.onload / act.ronload started before the matching act.offload /
   act.roffload ended (same ``buffer``, else same (stage, mb, layer, chunk)); such plan deps are
   checked here, not under ``dependency``.
@@ -38,6 +43,9 @@ from traces.events import EventTable, TraceError
 DEFAULT_TOLERANCE_US = 5.0
 PLAN_FORMAT_PREFIX = "k3sched.plan/"
 _ONLOAD_OF = {"act.onload": "act.offload", "act.ronload": "act.roffload"}
+# receive-side kind -> the sending kinds whose START bounds its END ([Note: validation rules])
+RECV_OF = {"act.recv": ("act.send",), "grad.recv": ("grad.send",), "act.rstore": ("act.roffload",),
+           "act.ronload": ("act.rserve",)}
 _TYPE_ORDER = ("missing", "wrong_rank", "lane_mapping", "wrong_lane", "dependency", "onload_before_offload",
                "collective_order", "order", "unplanned")
 
@@ -394,8 +402,22 @@ def validate(plan: dict, events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, 
         skipped = int((~same).sum())
     pi = lookup(np.maximum(prod_rank, 0), prod_task)
     valid = (prod_rank >= 0) & (pi >= 0) & ~skip_pairs
+    # receive ends: END of the receive vs START of its send; everything else: START vs END
+    recv_pair = np.array([P.kind[prod] in RECV_OF.get(P.kind[int(task[c])], ())
+                          for c, prod in zip(cons.tolist(), prod_task.tolist())], dtype=bool) if len(cons) \
+        else np.zeros(0, bool)
     late = np.zeros(len(cons), bool)
-    late[valid] = start[cons[valid]] < end[pi[valid]] - tolerance_us
+    plain = valid & ~recv_pair
+    late[plain] = start[cons[plain]] < end[pi[plain]] - tolerance_us
+    rv = valid & recv_pair
+    late_recv = np.zeros(len(cons), bool)
+    late_recv[rv] = end[cons[rv]] < start[pi[rv]] - tolerance_us
+    for c in np.nonzero(late_recv)[0].tolist():
+        ci, p = cons[c], pi[c]
+        V.append(Violation("dependency", P.ids[task[ci]], int(rank[ci]),
+                           f"receive ended {start[p] - end[ci]:.1f} us before its send {P.ids[task[p]]} (rank "
+                           f"{rank[p]}) started (end {end[ci] - offset[int(rank[ci])]:.1f} us, send start "
+                           f"{start[p] - offset[int(rank[p])]:.1f} us)", float(start[p] - end[ci])))
     for c in np.nonzero(late)[0].tolist():
         ci, p = cons[c], pi[c]
         V.append(Violation("dependency", P.ids[task[ci]], int(rank[ci]),
