@@ -9,7 +9,11 @@ the ranks under torchrun and makes sure none outlives it.
 - When a rank fails, torchrun stops the others; ``run_command`` then prints the failing rank's
   one-line error (``error_rank{R}.txt``, the earliest) and returns 1. On timeout, Ctrl-C or any
   exit path, the whole process group of the launched torchrun is killed (SIGTERM, then SIGKILL).
-- ``nsys=True`` wraps the launch in ``nsys profile --trace=nvtx`` (report in DIR/profile.*).
+- ``nsys=True`` runs the launch under Nsight Systems through :func:`traces.nsys.record` (``nsys
+  profile --trace=nvtx``, plus ``cuda`` with CUDA; nsys 2022.4 workarounds: QdstrmImporter, agent
+  kill, a hung capture killed and retried once), exports ``DIR/profile.sqlite``, validates it
+  against ``DIR/plan.json`` (ranks share the host clock: cross-rank dependencies are compared),
+  prints the verdict and writes ``DIR/validation.json``; a trace that does not conform returns 1.
 """
 
 from __future__ import annotations
@@ -110,30 +114,36 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def nsys_import(prefix: Path, timeout_s: float = 300.0) -> Path:
-    """Turn ``PREFIX.qdstrm`` (nsys 2022.4 cannot import it itself) into ``PREFIX.nsys-rep`` and
-    export ``PREFIX.sqlite``; returns the sqlite path. Raises RuntimeError (one line)."""
-    import shutil
+NSYS_OPTIONS = ("--sample=none", "--cpuctxsw=none")
+NSYS_TOLERANCE_US = 50.0
 
-    from traces.nsys import QDSTRM_IMPORTER
 
-    rep, qd, sql = (prefix.with_name(prefix.name + ext) for ext in (".nsys-rep", ".qdstrm", ".sqlite"))
-    steps = []
-    if not rep.exists():
-        importer = QDSTRM_IMPORTER if Path(QDSTRM_IMPORTER).exists() else shutil.which("QdstrmImporter")
-        if not qd.exists() or importer is None:
-            raise RuntimeError(f"{prefix}: nsys left no {rep.name}, and {qd.name} or QdstrmImporter is missing")
-        steps.append(("QdstrmImporter", [importer, "-i", str(qd)]))
-    steps.append(("nsys export", ["nsys", "export", "--type", "sqlite", "--force-overwrite=true", "-o", str(sql),
-                                  str(rep)]))
-    for name, cmd in steps:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if p.returncode != 0:
-            last = (p.stderr.strip().splitlines() or p.stdout.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"{prefix}: {name} failed (exit {p.returncode}): {last}")
-    if not sql.exists():
-        raise RuntimeError(f"{rep}: nsys export produced no {sql.name}")
-    return sql
+def nsys_trace_kinds() -> str:
+    """``nvtx``, plus ``cuda`` when CUDA is present (kernels and copies under the NVTX ranges)."""
+    try:
+        import torch
+
+        return "nvtx,cuda" if torch.cuda.is_available() else "nvtx"
+    except ImportError:  # pragma: no cover
+        return "nvtx"
+
+
+def nsys_validate(out: Path, quiet: bool = False) -> int:
+    """Validate ``out/profile.sqlite`` against ``out/plan.json`` (cross-rank clocks: one host);
+    print the verdict, write ``out/validation.json``. Returns 0 conforms, 1 does not, 2 unreadable."""
+    import io
+
+    from traces.cli import validate_main
+
+    buf = io.StringIO()
+    code = validate_main(str(out / "plan.json"), [str(out / "profile.sqlite")], json_out=str(out / "validation.json"),
+                         tolerance_us=NSYS_TOLERANCE_US, cross_rank_clocks=True, out=buf)
+    text = buf.getvalue()
+    if not quiet:
+        print(text, end="" if text.endswith("\n") else "\n", flush=True)
+    elif text:
+        print(text.splitlines()[0], flush=True)  # the verdict line
+    return code
 
 
 def first_error(out_dir: Path) -> str | None:
@@ -149,7 +159,7 @@ def first_error(out_dir: Path) -> str | None:
 def run_command(config_path: str | Path, overrides: list[str] | None, steps: int, nproc: int | None,
                 out_dir: str | Path, nsys: bool = False, strategy: str | None = None, *,
                 timeout_s: float | None = None, extra_args: list[str] | None = None, env: dict | None = None,
-                quiet: bool = False) -> int:
+                quiet: bool = False, nsys_retries: int = 1) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`)."""
@@ -168,13 +178,12 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         stale.unlink()
     cmd = torchrun_command(config_path, out, world, overrides=overrides, steps=steps, strategy=strategy,
                            extra=(["--quiet"] if quiet else []) + list(extra_args or []))
-    if nsys:
-        cmd = ["nsys", "profile", "--trace=nvtx", "--sample=none", "--cpuctxsw=none", "--force-overwrite=true",
-               "-o", str(out / "profile")] + cmd
     run_env = {**os.environ, **(env or {})}
     run_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), run_env.get("PYTHONPATH", "")] if p)
     run_env.setdefault("OMP_NUM_THREADS", "1")
     run_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if nsys:
+        return _run_under_nsys(cmd, out, run_env, world, timeout_s, quiet, nsys_retries)
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, start_new_session=True)
     rc: int | None = None
     try:
@@ -187,14 +196,6 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         return 130
     finally:
         kill_group(proc)
-    if rc == 0 and nsys:
-        try:
-            sql = nsys_import(out / "profile")
-        except RuntimeError as e:
-            _err(str(e))
-            return 1
-        if not quiet:
-            print(f"wrote {sql} (NVTX ranges named by task id; `k3sched validate` reads it)", flush=True)
     if rc != 0:
         line = first_error(out)
         _err(line or f"torchrun exited with status {rc} (no rank reported an error; see the output above)")
@@ -202,3 +203,44 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     if not quiet:
         print(f"wrote {out}/plan.json, {out}/summary.json, {world} trace file(s) trace_rank*.json", flush=True)
     return 0
+
+
+def _run_under_nsys(cmd: list[str], out: Path, run_env: dict, world: int, timeout_s: float | None, quiet: bool,
+                    retries: int) -> int:
+    """The ``nsys=True`` path of :func:`run_command`: record with :func:`traces.nsys.record`
+    (``timeout_s`` per capture attempt), then :func:`nsys_validate`. Returns 0 / 1 / 130; a
+    capture that hung on every attempt is reported as such (one line, exit 1)."""
+    from traces.events import TraceError
+    from traces.nsys import CaptureHung, record
+
+    def clear(attempt: int) -> None:
+        for stale in list(out.glob("error_rank*.txt")) + list(out.glob("trace_rank*.json")) + [out / "summary.json"]:
+            stale.unlink(missing_ok=True)
+        if attempt and not quiet:
+            print(f"nsys: the capture hung; killed it and retrying (attempt {attempt + 1})", flush=True)
+
+    try:
+        sql = record(cmd, out / "profile", trace=nsys_trace_kinds(), options=NSYS_OPTIONS, env=run_env, cwd=REPO,
+                     timeout_s=timeout_s or 600.0, retries=retries, echo=not quiet, before_attempt=clear)
+    except KeyboardInterrupt:
+        _err("interrupted; stopped every rank")
+        return 130
+    except CaptureHung as e:
+        _err(str(e))
+        return 1
+    except TraceError as e:
+        _err(first_error(out) or str(e))
+        return 1
+    if not (out / "summary.json").exists():
+        _err(first_error(out) or "the ranks exited without writing summary.json (see the output above)")
+        return 1
+    if not quiet:
+        print(f"wrote {sql} (NVTX ranges named by task id), {out}/plan.json, {out}/summary.json, {world} trace "
+              f"file(s) trace_rank*.json", flush=True)
+    code = nsys_validate(out, quiet)
+    if code == 0:
+        print(f"nsys trace conforms to the plan; wrote {out}/validation.json", flush=True)
+    else:
+        _err(f"the nsys trace {'does not conform to' if code == 1 else 'could not be checked against'} the plan; "
+             f"see {out}/validation.json")
+    return 0 if code == 0 else 1

@@ -251,16 +251,26 @@ def nsys_available() -> bool:
     return shutil.which("nsys") is not None
 
 
+class CaptureHung(TraceError):
+    """``nsys profile`` hung past its timeout on every attempt (nsys 2022.4, intermittent)."""
+
+
 def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *,
-           timeout_s: float = 600.0, retries: int = 1, env: dict | None = None) -> Path:
-    """Run ``cmd`` under ``nsys profile --trace=TRACE -o OUT_PREFIX`` and export the capture to
-    ``OUT_PREFIX.sqlite``; returns that path.
+           timeout_s: float = 600.0, retries: int = 1, env: dict | None = None,
+           options: list[str] | tuple[str, ...] = (), echo: bool = False, cwd: str | os.PathLike | None = None,
+           before_attempt=None) -> Path:
+    """Run ``cmd`` under ``nsys profile --trace=TRACE [OPTIONS] -o OUT_PREFIX`` and export the
+    capture to ``OUT_PREFIX.sqlite``; returns that path.
 
     Works with nsys 2022.4 (Debian), whose automatic import of the raw ``.qdstrm`` capture fails:
     when no ``.nsys-rep`` appears, ``QdstrmImporter -i OUT_PREFIX.qdstrm`` is run, then ``nsys
     export --type sqlite``. A capture that hangs past ``timeout_s`` (seen intermittently with 2022.4)
-    is killed and retried ``retries`` times. Raises TraceError (one line, with the failing step's last stderr line)
-    when nsys is missing or a step fails.
+    is killed (nsys, the profiled processes, the agent) and retried ``retries`` times; when every
+    attempt hung, :class:`CaptureHung` says so. Raises TraceError (one line, with the failing step's
+    last stderr line) when nsys is missing or a step fails.
+    ``echo``: print the profiled command's stdout / stderr once each nsys step ends (they are
+    captured while it runs). ``before_attempt(i)`` is called before each capture attempt (e.g. to
+    clear a previous attempt's outputs).
     """
     nsys = shutil.which("nsys")
     if nsys is None:
@@ -274,7 +284,7 @@ def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *
     def run(step: str, args: list[str]) -> None:
         # no new session or process group: nsys 2022.4 hangs under either
         p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+                             text=True, env=env, cwd=cwd)
         try:
             stdout, stderr = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -283,19 +293,33 @@ def record(cmd: list[str], out_prefix: str | os.PathLike, trace: str = "nvtx", *
             raise TraceError(f"{out}: {step} timed out after {timeout_s:.0f} s") from None
         if args[1] == "profile":
             _end_session(p, agents_only=True)  # 2022.4 leaves its agent spinning after the capture
+        if echo and args[1] == "profile":
+            import sys
+
+            sys.stdout.write(stdout)
+            sys.stdout.flush()
+            sys.stderr.write(stderr)
+            sys.stderr.flush()
         if p.returncode != 0:
             last = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["no output"])[-1]
             raise TraceError(f"{out}: {step} failed (exit {p.returncode}): {last}")
 
-    profile = [nsys, "profile", f"--trace={trace}", "--force-overwrite=true", "-o", str(out), *cmd]
+    profile = [nsys, "profile", f"--trace={trace}", *options, "--force-overwrite=true", "-o", str(out), *cmd]
     for attempt in range(retries + 1):
+        if before_attempt is not None:
+            before_attempt(attempt)
         try:
             run("nsys profile", profile)
             break
         except TraceError as e:
             # nsys 2022.4 intermittently hangs at the start of a capture on this VM; a retry works
-            if "timed out" not in str(e) or attempt == retries:
+            if "timed out" not in str(e):
                 raise
+            if attempt == retries:
+                raise CaptureHung(f"{out}: nsys profile hung on all {retries + 1} attempt(s) (each killed after "
+                                  f"{timeout_s:.0f} s; nsys 2022.4 hangs intermittently)") from None
+            for p in (rep, qd, sql):
+                p.unlink(missing_ok=True)
     if not rep.exists():
         if not qd.exists():
             raise TraceError(f"{out}: nsys profile wrote neither {rep.name} nor {qd.name}")
