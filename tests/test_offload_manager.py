@@ -142,3 +142,22 @@ def test_measured_profile_feeds_the_cost_model(tmp_path):
     cm = CostModel(load_config(TINY, [f"schedule.profile={path}"]))
     assert cm.saved_bytes(Kind.EXPERT_FWD) == tuple(prof["expert.fwd"]) == loaded.saved_bytes["expert.fwd"]
     assert cm.grad_out_bytes(Kind.ATTN_DX) == prof["attn.dx"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host pool, copy streams, CUDA-event "
+                                                         "fences")
+def test_cuda_offload_round_trip_is_bitwise_with_pinned_host_buffers():
+    dev = torch.device("cuda")
+    x = torch.randn(64, 128, device=dev)
+    idx = torch.arange(64, device=dev)
+    lc = FakeCtx(**{"shared.xn": x.clone(), "dispatch.xn": None or x.clone(), "router.idx": idx.clone()})
+    lc.t["dispatch.xn"] = lc.t["shared.xn"]  # an alias, as moe keeps them
+    m = ActivationManager(dev, debug=True)
+    m.offload_local("s0/mb0/L1/act", lc, "s0/mb0/L1/act.offload")
+    torch.cuda.synchronize()
+    assert not m.is_resident("s0/mb0/L1/act")
+    m.onload_local("s0/mb0/L1/act", lc, "s0/mb0/L1/act.onload")
+    torch.cuda.synchronize()
+    assert lc.t["shared.xn"].is_cuda and torch.equal(lc.t["shared.xn"], x) and torch.equal(lc.t["router.idx"], idx)
+    assert lc.t["shared.xn"].data_ptr() == lc.t["dispatch.xn"].data_ptr()
+    m.release("s0/mb0/L1/act")
