@@ -150,8 +150,8 @@ def test_cuda_offload_round_trip_is_bitwise_with_pinned_host_buffers():
     dev = torch.device("cuda")
     x = torch.randn(64, 128, device=dev)
     idx = torch.arange(64, device=dev)
-    lc = FakeCtx(**{"shared.xn": x.clone(), "dispatch.xn": None or x.clone(), "router.idx": idx.clone()})
-    lc.t["dispatch.xn"] = lc.t["shared.xn"]  # an alias, as moe keeps them
+    xn = x.clone()
+    lc = FakeCtx(**{"shared.xn": xn, "dispatch.xn": xn, "router.idx": idx.clone()})  # an alias, as moe keeps
     m = ActivationManager(dev, debug=True)
     m.offload_local("s0/mb0/L1/act", lc, "s0/mb0/L1/act.offload")
     torch.cuda.synchronize()
