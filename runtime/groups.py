@@ -165,11 +165,17 @@ def verify_orders(groups: Groups, lanes: Mapping[str, list[PlanTask]], peer_of, 
             b = other[i] if i < len(other) else "end of list"
             raise GroupOrderError(f"{name} group: collective #{i} differs: rank {ref_rank} issues {a}, rank "
                                   f"{other_rank} issues {b} (ranks would deadlock)")
+    verify_pairing(groups, "pp group", p2p_order(lanes, peer_of), stage)
+
+
+def verify_pairing(groups: Groups, what: str, mine: dict[str, dict[int, list]], stage: int) -> None:
+    """Point-to-point pairing check over the pp group (outside any lane): ``mine`` holds this
+    stage's ordered ``send``s and ``recv``s per peer stage; the sends of stage a to stage b must be,
+    in order, b's receives from a, or the lanes would deadlock."""
     if groups.pp is None:
         return
-    p2p = p2p_order(lanes, peer_of)
-    got = [None] * dist.get_world_size(groups.pp)
-    dist.all_gather_object(got, (stage, p2p), group=groups.pp)
+    got: list = [None] * dist.get_world_size(groups.pp)
+    dist.all_gather_object(got, (stage, mine), group=groups.pp)
     by_stage = {s: o for s, o in got}
     for a, oa in by_stage.items():
         for b, sends in oa["send"].items():
@@ -178,7 +184,7 @@ def verify_orders(groups: Groups, lanes: Mapping[str, list[PlanTask]], peer_of, 
                 i = next((i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y), min(len(sends), len(recvs)))
                 x = sends[i] if i < len(sends) else "nothing"
                 y = recvs[i] if i < len(recvs) else "nothing"
-                raise GroupOrderError(f"pp group: transfer #{i} from stage {a} to stage {b}: stage {a} sends {x}, "
+                raise GroupOrderError(f"{what}: transfer #{i} from stage {a} to stage {b}: stage {a} sends {x}, "
                                       f"stage {b} receives {y}")
 
 

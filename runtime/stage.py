@@ -568,21 +568,7 @@ def remote_order(lanes: Mapping[str, list[PlanTask]], stage: int) -> dict[str, d
 
 def verify_remote_orders(groups: Groups, lanes: Mapping[str, list[PlanTask]], stage: int) -> None:
     """Start-up check: the remote sends of stage a to stage b are, in order, b's receives from a
-    (else the offload_remote lanes would deadlock). Uses the pp group (outside any lane)."""
-    from .groups import GroupOrderError
+    (else the offload_remote lanes would deadlock)."""
+    from .groups import verify_pairing
 
-    if groups.pp is None:
-        return
-    mine = remote_order(lanes, stage)
-    got: list = [None] * dist.get_world_size(groups.pp)
-    dist.all_gather_object(got, (stage, mine), group=groups.pp)
-    by_stage = {s: o for s, o in got}
-    for a, oa in by_stage.items():
-        for b, sends in oa["send"].items():
-            recvs = by_stage.get(b, {"recv": {}})["recv"].get(a, [])
-            if sends != recvs:
-                i = next((i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y), min(len(sends), len(recvs)))
-                x = sends[i] if i < len(sends) else "nothing"
-                y = recvs[i] if i < len(recvs) else "nothing"
-                raise GroupOrderError(f"offload_remote: transfer #{i} from stage {a} to stage {b}: stage {a} sends "
-                                      f"{x}, stage {b} receives {y}")
+    verify_pairing(groups, "offload_remote", remote_order(lanes, stage), stage)
