@@ -211,6 +211,33 @@ def validate(
                                    json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us))
 
 
+@app.command()
+def calibrate(
+    traces: List[Path] = typer.Argument(..., help="Traces of a measured run: runtime trace_rank*.json or nsys "
+                                                   "SQLite."),
+    plan_path: Path = typer.Option(..., "--plan", help="plan.json the run followed."),
+    out: Path = typer.Option(..., "-o", "--out", help="Profile YAML to write (durations_us, bandwidth_gbps)."),
+    summary: Optional[Path] = typer.Option(None, help="The run's summary.json (default: beside the first trace); "
+                                                      "its measured step time fits the contention factor."),
+    raw: bool = typer.Option(False, help="Write the raw per-kind medians, no contention factor."),
+) -> None:
+    """Fit per-kind durations and per-lane bandwidths from a measured run; write the profile YAML
+    (plan with --set schedule.profile=FILE). See [Note: calibration] in k3sched/calibrate.py."""
+    from .calibrate import calibrate_files, render
+
+    try:
+        from traces.events import TraceError
+    except ImportError:  # pragma: no cover
+        TraceError = OSError  # noqa: N806
+    try:
+        fit = calibrate_files([str(t) for t in traces], str(plan_path), str(out), summary=summary,
+                              contention=not raw)
+    except (TraceError, ValueError, ConfigError) as e:
+        fail(str(e))
+    print(render(fit))
+    console.print(f"wrote {out} (plan with --set schedule.profile={out})", highlight=False)
+
+
 def main() -> None:
     try:
         app()

@@ -271,6 +271,11 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if show:
+        steady = sorted(times[1:] or times)
+        med_us = (steady[len(steady) // 2] if steady else 0.0) * 1e6
+        console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {2 if len(times) > 1 else 1}.."
+                      f"{len(times)}), predicted {predicted_us / 1e3:.1f} ms, measured/predicted "
+                      f"{med_us / predicted_us if predicted_us else float('nan'):.3f}")
         planned = doc["metrics"]["peak_device_bytes"]
         console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
             f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r).pp_idx] / 2**20:.2f}"
