@@ -7,7 +7,7 @@ $(VENV): pyproject.toml scripts/setup.sh
 run: $(VENV)
 	.venv/bin/k3sched plan configs/tiny-cpu.yaml --out out/tiny-cpu/plan --timeline
 	.venv/bin/k3sched run configs/tiny-cpu.yaml --out out/tiny-cpu --steps 5
-	.venv/bin/k3sched validate --plan out/tiny-cpu/plan.json out/tiny-cpu/trace_rank*.json --json out/tiny-cpu/validation.json
+	.venv/bin/k3sched validate --plan out/tiny-cpu/plan.json out/tiny-cpu/trace_rank*.json --cross-rank-clocks --json out/tiny-cpu/validation.json
 
 test: $(VENV)
 	.venv/bin/python -m pytest -q

@@ -203,12 +203,15 @@ def validate(
     plan_path: Path = typer.Option(..., "--plan", help="plan.json the run followed."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON."),
     tolerance_us: float = typer.Option(50.0, help="Dependency slack allowed, microseconds."),
+    cross_rank_clocks: bool = typer.Option(False, help="The ranks' clocks are comparable (one machine, or "
+                                                       "synchronised): also check dependencies across ranks."),
 ) -> None:
     """Check recorded traces against a plan; exit 0 conforms, 1 does not, 2 unreadable input."""
     from traces.cli import validate_main
 
     raise typer.Exit(validate_main(str(plan_path), [str(t) for t in traces],
-                                   json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us))
+                                   json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us,
+                                   cross_rank_clocks=cross_rank_clocks))
 
 
 @app.command()
