@@ -139,6 +139,10 @@ class SavedStore:
         """All entry names, evicted ones included."""
         return list(self._entries)
 
+    def names_of(self, user: str) -> set[str]:
+        """Names of the entries held for ``user`` (e.g. ``"graph"``: what the dX task reads)."""
+        return {n for n, e in self._entries.items() if user in e.users}
+
     def nbytes(self) -> int:
         """Bytes held by live entries (aliases counted once)."""
         seen: set[tuple] = set()

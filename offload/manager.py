@@ -30,6 +30,22 @@ Life of an offloaded set (one (micro-batch, layer)):
   last backward task of the set -> :meth:`ActivationManager.task_done` releases the device buffer
       to the pool (fenced by the lanes' streams on GPU).
 
+[Note: FP8 on the device]
+Under ``schedule.act_quant: fp8`` the planner stores *every* saved activation as FP8, not only
+offloaded ones, so the runtime quantizes the sets the plan keeps on the device as well, without
+plan tasks of their own (``runtime.stage.StageRunner._tracked``):
+  quantize_resident   (inside the layer's last forward task: combine.fwd / mlp.fwd, after it ran)
+      every floating-point storage of the set -> one device-pool buffer (FP8 payload + fp32
+      scales, the same packed layout as an FP8 offload), placeholders under its names; integer /
+      bool storages (routing indices) stay untouched, exact.
+  dequantize_resident (before the set's first backward task: combine.bwd, shared.dx or mlp.dx,
+      whichever lane gets there first; the other waits)
+      -> one device-pool buffer in the unpacked layout, views restored; the FP8 buffer goes back
+      to the pool; the full-precision buffer is released after the set's last backward task,
+      as an onloaded set's is.
+Debug checksums cover the FP8 payload (taken on quantize, verified on dequantize), and the
+residency check treats a quantized set as not resident.
+
 Debug (``K3SCHED_OFFLOAD_DEBUG=1`` or ``debug=True``): every storage gets a checksum when it
 leaves (of its FP8 payload when quantized) that is verified when it returns; a mismatch raises
 naming the task and the tensor. ``copy_delay_s`` (or ``K3SCHED_OFFLOAD_DELAY_S``) sleeps inside
@@ -104,6 +120,14 @@ class _Storage:
     fp8: torch.dtype | None  # element dtype when stored as FP8, else None
     views: list[tuple[str, torch.dtype, int, tuple, tuple]]  # name, dtype, elem offset, shape, stride
     checksum: int | None = None
+    restored: bool = False  # FP8 on the device: read back by dequantize_resident
+
+    def wanted(self, op: str | None, names=None) -> bool:
+        """Whether one of ``names`` (when given), else a name of sub-op ``op`` (``<op>.<entry>``;
+        any when None), views this storage."""
+        if names is not None:
+            return any(v[0] in names for v in self.views)
+        return op is None or any(v[0].split(".", 1)[0] == op for v in self.views)
 
 
 @dataclass
@@ -112,10 +136,11 @@ class _Set:
     storages: list[_Storage]
     nbytes: int  # unpacked
     pack_nbytes: int
-    where: str  # "host" | "peer" | "device"
+    where: str  # "host" | "peer" | "fp8" (quantized on the device) | "device"
     host: Tensor | None = None
     device: Tensor | None = None
     fence: object = None
+    packed: Tensor | None = None  # "fp8": the device-pool buffer holding payload + scales
 
 
 def _checksum(t: Tensor) -> int:
@@ -159,11 +184,15 @@ class ActivationManager:
         self._held: dict[str, _Set] = {}  # peer side: sets kept for other ranks
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._lock = threading.Lock()
+        self._quant_lock = threading.Lock()  # one dequantize at a time (two lanes may ask for one set)
         self._pending: list = []  # (work, tensor) of isends, waited at the end of the step
         self.log: list[tuple[str, str]] = []  # (task id, event) in debug mode
 
     # -- set layout ------------------------------------------------------------------------------
-    def _layout(self, saved: dict[str, Tensor]) -> tuple[list[_Storage], list[tuple[_Storage, Tensor]], int, int]:
+    def _layout(self, saved: dict[str, Tensor], fp8_only: bool = False
+                ) -> tuple[list[_Storage], list[tuple[_Storage, Tensor]], int, int]:
+        """Storages of ``saved`` to move (packed layout); ``fp8_only``: only those stored as FP8
+        (the others, e.g. integer indices, stay where they are, exact)."""
         by_storage: dict[int, tuple[Tensor, list[str]]] = {}
         for name, t in saved.items():
             pol = self.table.policy(name)
@@ -181,6 +210,8 @@ class ActivationManager:
                 dt = next(iter(dtypes))
                 if dt.is_floating_point and dt != FP8 and nbytes % torch.empty((), dtype=dt).element_size() == 0:
                     fp8 = dt
+            if fp8_only and fp8 is None:
+                continue
             pn = quantized_nbytes(nbytes // torch.empty((), dtype=fp8).element_size()) if fp8 else nbytes
             views = [(n, saved[n].dtype, saved[n].storage_offset(), tuple(saved[n].shape), tuple(saved[n].stride()))
                      for n in names]
@@ -315,6 +346,94 @@ class ActivationManager:
             rec.host, rec.device, rec.where = None, dev, "device"
         return rec.pack_nbytes
 
+    # -- FP8 on the device (sets the plan keeps) -----------------------------------------------
+    def _stream_wait(self, fence) -> None:
+        """GPU: make the current stream wait for ``fence`` (an event of another lane's stream)."""
+        if fence is not None and self.device.type == "cuda":
+            for ev in fence if isinstance(fence, (list, tuple)) else (fence,):
+                torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def quantize_resident(self, buffer: str, lc, task: str = "?") -> int:
+        """``act_quant: fp8`` for a set the plan does not offload (see [Note: FP8 on the device]):
+        quantize every floating-point storage of the set into one device-pool buffer (payload +
+        fp32 scales) and put placeholders under its names; integer / bool storages stay as they
+        are (exact). Returns the bytes of the quantized buffer (0: nothing to quantize)."""
+        st, srcs, nbytes, pack = self._layout(lc.saved_tensors(), fp8_only=True)
+        if not st:
+            return 0
+        buf = self.device_pool.acquire(pack)
+        self._pack(srcs, buf, task)
+        fence = self._fence()
+        if self.debug:
+            fence_wait(fence)
+            self._checksums(st, buf)
+        self._evict(lc, st)
+        del srcs
+        with self._lock:
+            if buffer in self._sets:
+                raise RuntimeError(f"task {task}: activation set {buffer} is already offloaded or quantized")
+            self._sets[buffer] = _Set(buffer, st, nbytes, pack, "fp8", fence=fence, packed=buf)
+        return pack
+
+    def dequantize_resident(self, buffer: str, lc, task: str = "?", op: str | None = None,
+                            names=None) -> int:
+        """Before a backward task reads a set quantized by :meth:`quantize_resident`: dequantize
+        the storages viewed by one of ``names`` (when given: what a dX task's graph reads, so the
+        WGrad inputs stay FP8 until the dW task), else by a name of sub-op ``op`` (``<op>.<entry>``;
+        all when None) into fresh
+        device tensors and restore their names (each storage's views come back aliased). Each
+        storage is freed, as without FP8, when the store drops it (graph tensors after the op's dX
+        task, WGrad inputs after its dW task), so at no point of the backward pass does the set hold
+        more than it would unquantized; the FP8 buffer goes back to the pool once every storage was
+        read back. Safe from two lanes at once (one dequantizes at a time; on GPU a lane's stream
+        waits for the events of earlier dequantizes of the set). Returns the bytes restored."""
+        with self._quant_lock:
+            with self._lock:
+                rec = self._sets.get(buffer)
+            if rec is None or rec.where not in ("fp8", "device"):
+                return 0
+            self._stream_wait(rec.fence)  # the quantize / earlier dequantizes ran on other lanes' streams
+            if rec.where == "device":
+                return 0
+            todo = [s for s in rec.storages if not s.restored and s.wanted(op, names)]
+            if not todo:
+                return 0
+            if self.debug:
+                self._verify(todo, rec.packed, task)
+            moved = 0
+            for s in todo:
+                n = s.nbytes // torch.empty((), dtype=s.fp8).element_size()
+                tiles = -(-n // TILE)
+                slot = rec.packed[s.pack_offset:s.pack_offset + s.pack_nbytes]
+                out = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
+                dequantize(Quantized(slot[:tiles * TILE].view(FP8), slot[tiles * TILE:tiles * TILE + tiles * 4]
+                                     .view(torch.float32), n, s.fp8), out.view(s.fp8))
+                for name, dtype, eoff, shape, stride in s.views:
+                    lc.replace(name, out.view(dtype).as_strided(shape, stride, eoff))
+                s.restored = True
+                moved += s.nbytes
+            fence = self._fence()
+            left = any(not s.restored for s in rec.storages)
+            with self._lock:
+                rec.fence = [f for f in (rec.fence if isinstance(rec.fence, list) else [rec.fence]) if f is not None]
+                if fence is not None:
+                    rec.fence.append(fence)
+                if not left:
+                    self.device_pool.release(rec.packed, fence)
+                    rec.packed, rec.where = None, "device"
+            return moved
+
+    def resident_for(self, buffer: str, op: str | None, names=None) -> bool:
+        """Whether the saved tensors named ``names`` (when given), else those of sub-op ``op``, are
+        on the device (not offloaded, not FP8): what a backward task may read."""
+        with self._lock:
+            rec = self._sets.get(buffer)
+        if rec is None or rec.where == "device":
+            return True
+        if rec.where != "fp8":
+            return False
+        return not any(not s.restored and s.wanted(op, names) for s in rec.storages)
+
     # -- remote (peer) offload -----------------------------------------------------------------
     @staticmethod
     def _tags(mb: int, layer: int) -> tuple[int, int]:
@@ -411,6 +530,8 @@ class ActivationManager:
         ``fence``). In debug mode, checks that no saved tensor still views the buffer."""
         with self._lock:
             rec = self._sets.pop(buffer, None)
+        if rec is not None and rec.packed is not None:  # quantized and never read back
+            self.device_pool.release(rec.packed, fence)
         if rec is None or rec.device is None:
             return
         if self.debug and lc is not None:

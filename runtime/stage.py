@@ -18,6 +18,10 @@ task kind to a handler (:meth:`StageRunner.handlers`):
   (:meth:`StageRunner._tracked`): in debug mode a backward task checks its layer's activations are
   resident, the last backward task of an onloaded set releases its device buffer to the pool, and
   the memory tracker samples device / host / peer bytes after each task ([Note: measured memory]);
+- ``schedule.act_quant: fp8`` on sets the plan keeps (no plan tasks of their own, [Note: FP8 on
+  the device] in ``offload/manager.py``): the layer's last forward task (combine.fwd / mlp.fwd)
+  quantizes the set after it ran; each backward task first reads back what it needs (a dX task
+  its sub-op's graph-saved tensors, router.bwd / dW tasks / dispatch.re all of its sub-op's);
 - grad.rs / gshard.* / optim.run with ``schedule.grad_offload`` -> :class:`offload.GradShards`
   ([Note: sharded gradients]): the layers' dW tasks (and router.bwd) accumulate into the flush
   group's gradient, grad.rs reduce-scatters it into the chunk's device buffer, the host fp32
@@ -49,6 +53,7 @@ from torch import Tensor, nn
 from k3sched.config import Config
 from k3sched.graph import placement_for, split_layers
 from k3sched.tasks import LANES, Kind
+from moe.split import GRAPH_USER
 from moe import INTRA_LAYER_DEPS, LayerCtx, MicroBatch, MoEModel, MoEModelArgs, init_full_state
 
 from offload import ActivationManager, MemoryTracker, PolicyTable
@@ -59,6 +64,8 @@ from .groups import Groups
 
 NOT_BUILT: dict[Kind, str] = {}
 BACKWARD_KINDS = frozenset(k for k in Kind if k.phase in ("dx", "dw", "bwd", "re"))
+LAST_FORWARD = frozenset({Kind.COMBINE_FWD, Kind.MLP_FWD})
+"""The last forward task of a layer: its saved set is complete ([Note: FP8 on the device])."""
 GRAD_WRITERS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP_DW, Kind.ROUTER_BWD})
 
 
@@ -204,6 +211,7 @@ class StageRunner:
         self._bwd_left: dict[tuple[int, int], int] = {}  # (mb, layer) -> backward tasks left this step
         self._bwd_count: dict[tuple[int, int], int] = {}
         self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
+        self._quantized: set[tuple[int, int]] = set()  # (mb, layer) sets kept on the device as FP8
         self._mem_lock = threading.Lock()
         self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
                                     extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0)
@@ -234,6 +242,9 @@ class StageRunner:
                     self._bwd_count[k] = self._bwd_count.get(k, 0) + 1
                 if t.kind in (Kind.ACT_OFFLOAD, Kind.ACT_ROFFLOAD):
                     self._offloaded.add((t.mb, t.layer))
+        if self.cfg.schedule.act_quant == "fp8":  # [Note: FP8 on the device]: the sets the plan keeps
+            self._quantized = {(t.mb, t.layer) for ts in lanes.values() for t in ts
+                               if t.kind in LAST_FORWARD and (t.mb, t.layer) not in self._offloaded}
         if self.gshards is not None:
             self.gshards.bind(lanes)
 
@@ -340,10 +351,19 @@ class StageRunner:
         def run(t: PlanTask) -> None:
             key = (t.mb, t.layer)
             bwd = t.kind in BACKWARD_KINDS and t.mb is not None and t.layer is not None
-            if bwd and self.acts.debug and key in self._offloaded and not self.acts.is_resident(self._buffer(t)):
+            quantized = key in self._quantized
+            names = None
+            if bwd and quantized:  # an FP8 set: what this task reads back in full precision
+                lc = self.mbs[t.mb].layers[t.layer]
+                names = self._reads(t, lc)
+                self.acts.dequantize_resident(self._buffer(t), lc, t.id, t.kind.op, names)
+            if bwd and self.acts.debug and (key in self._offloaded or quantized) \
+                    and not self.acts.resident_for(self._buffer(t), t.kind.op, names):
                 raise RuntimeError(f"reads layer {t.layer} of micro-batch {t.mb} before its onload finished")
             h(t)
-            if bwd and key in self._offloaded:
+            if quantized and t.kind in LAST_FORWARD:
+                self.acts.quantize_resident(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
+            if bwd and (key in self._offloaded or quantized):
                 with self._mem_lock:
                     self._bwd_left[key] -= 1
                     last = self._bwd_left[key] == 0
@@ -352,6 +372,16 @@ class StageRunner:
             with self._mem_lock:
                 self.memory.sample()
         return run
+
+    @staticmethod
+    def _reads(t: PlanTask, lc: LayerCtx) -> set[str] | None:
+        """Saved names a backward task reads: a dX-only task (dx; combine.bwd, dispatch.bwd) its
+        sub-op's graph-saved tensors; router.bwd (dX and dW), dW tasks and dispatch.re every
+        tensor of their sub-op (None)."""
+        if t.kind.phase in ("dw", "re") or t.kind is Kind.ROUTER_BWD:
+            return None
+        c = lc.sub_ops().get(t.kind.op)
+        return c.store.names_of(GRAPH_USER) if c is not None else set()
 
     def _buffer(self, t: PlanTask) -> str:
         return f"s{self.spec.stage}/mb{t.mb}/L{t.layer}/act"

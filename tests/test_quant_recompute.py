@@ -1,0 +1,114 @@
+"""Storage policies the planner models, executed by the runtime:
+
+* ``schedule.act_quant: fp8`` on sets the plan keeps on the device ([Note: FP8 on the device] in
+  ``offload/manager.py``): quantized after the layer's last forward task, read back per backward
+  task; trains close to full precision with a lower measured peak; off by default.
+* ``schedule.recompute: true`` (element-wise recompute in ``moe``, [Note: element-wise recompute]
+  in ``moe/model.py``): bitwise identical to storing, fewer saved bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3sched.config import load_config
+from k3sched.planner import plan
+from k3sched.render import plan_to_json
+from offload import ActivationManager, PolicyTable
+from offload.manager import OFFLOAD_FP8
+from offload.quant import dequantize, quantize
+from runtime.executor import Executor, stage_lanes
+from runtime.groups import Layout, build_groups
+from runtime.stage import StageRunner, StageSpec
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny-cpu.yaml"
+# One rank, GPipe (every micro-batch's sets in flight at the end of the forward), WGrad right
+# behind its dX (so the backward phase does not pile up grad_outputs and dominate the peak).
+ONE_RANK = ["parallel.pp=1", "parallel.ep=1", "parallel.microbatches=4", "model.layers=2", "model.seq_len=64",
+            "model.micro_batch_size=2", "model.vocab=64", "schedule.offload=none", "schedule.pipeline=gpipe",
+            "schedule.wgrad_lag=0"]
+
+
+class FakeCtx:
+    def __init__(self, **t):
+        self.t = dict(t)
+
+    def saved_tensors(self):
+        return dict(self.t)
+
+    def replace(self, name, x):
+        assert x.shape == self.t[name].shape and x.dtype == self.t[name].dtype
+        self.t[name] = x
+
+
+def _train(overrides: list[str], steps: int = 3, debug: bool | None = None):
+    """Train a one-rank plan in-process; returns (losses, step-0 grads, measured peaks, runner)."""
+    cfg = load_config(TINY, ONE_RANK + overrides)
+    doc = plan_to_json(plan(cfg, None))
+    lanes = stage_lanes(doc, 0)
+    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=0, offload_debug=debug)
+    runner.bind_plan(lanes)
+    losses, grads, peaks = [], None, []
+    with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0) as ex:
+        for step in range(steps):
+            runner.capture_grads = step == 0
+            runner.begin_step(step)
+            ex.run_step(step)
+            losses.append(runner.end_step() / cfg.parallel.microbatches)
+            if runner.captured is not None:
+                grads, runner.captured = runner.captured, None
+            peaks.append(runner.memory.peak_device)
+    return losses, grads, peaks, runner
+
+
+# -- (a) FP8 on the device -------------------------------------------------------------------------
+def test_quantize_resident_keeps_indices_exact_and_reads_back_per_name():
+    torch.manual_seed(0)
+    x = torch.randn(64, 128) * 3
+    idx = torch.arange(40)
+    lc = FakeCtx(**{"shared.xn": x, "router.xn": x, "shared.h": torch.randn(3000), "router.idx": idx})
+    m = ActivationManager("cpu", table=PolicyTable([("*", OFFLOAD_FP8)]), debug=True)
+    nbytes = m.quantize_resident("b", lc, "L1/combine.fwd")
+    assert 0 < nbytes < (x.numel() + 3000) * 4 * 0.3  # FP8 + scales: about a quarter of fp32
+    assert lc.t["router.idx"] is idx  # integer storages are never touched
+    assert lc.t["shared.xn"].untyped_storage().nbytes() <= 4 and not m.is_resident("b")
+    assert not m.resident_for("b", "router") and m.resident_for("b", "attn")
+    m.dequantize_resident("b", lc, "L1/router.bwd", "router", names={"router.xn"})  # one storage, two names
+    assert torch.equal(lc.t["router.xn"], dequantize(quantize(x)).view_as(x))
+    assert lc.t["shared.xn"].data_ptr() == lc.t["router.xn"].data_ptr()  # aliases come back aliased
+    assert lc.t["shared.h"].untyped_storage().nbytes() <= 4 and m.device_pool.stats.in_use > 0  # still FP8
+    m.dequantize_resident("b", lc, "L1/shared.dw", "shared")
+    assert m.is_resident("b") and m.device_pool.stats.in_use == 0  # FP8 buffer back in the pool
+    m.release("b", lc)
+    m.end_step()
+
+
+def test_fp8_on_device_is_off_by_default_and_skips_offloaded_sets():
+    for over, expect in (([], False), (["schedule.act_quant=fp8"], True),
+                         (["schedule.act_quant=fp8", "schedule.offload=all"], False)):
+        cfg = load_config(TINY, ONE_RANK + over)
+        runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)))
+        runner.bind_plan(stage_lanes(plan_to_json(plan(cfg, None)), 0))
+        assert bool(runner._quantized) is expect, over
+        assert not runner._quantized & runner._offloaded
+
+
+def test_fp8_on_device_trains_close_to_fp32_with_a_lower_peak():
+    ref_losses, ref_grads, ref_peaks, _ = _train([])
+    losses, grads, peaks, runner = _train(["schedule.act_quant=fp8"], debug=True)  # checksums + residency checks
+    assert all(math.isfinite(v) for v in losses)
+    # step 0's loss comes before any backward read of a saved tensor: identical
+    assert losses[0] == ref_losses[0]
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
+    assert max(rel) < 1e-2, rel  # measured: 0, 8.8e-4, 5.1e-4
+    num = sum(float((grads[k] - ref_grads[k]).double().pow(2).sum()) for k in ref_grads)
+    den = sum(float(ref_grads[k].double().pow(2).sum()) for k in ref_grads)
+    grad_rel = math.sqrt(num / den)
+    assert 0 < grad_rel < 0.2, grad_rel  # e4m3 (3 mantissa bits) on every saved float: measured ~0.09
+    assert max(peaks) < 0.8 * max(ref_peaks), (peaks, ref_peaks)  # measured: 5.9 vs 10.2 MiB (0.58)
+    assert runner.acts.device_pool.stats.in_use == 0
