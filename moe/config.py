@@ -58,6 +58,10 @@ class MoEModelArgs:
     """EP dispatch recompute (task ``dispatch.re``): keep the dispatch input, not its output."""
     rms_eps: float = 1e-6
     """RMSNorm epsilon."""
+    recompute: bool = False
+    """Element-wise recompute (``schedule.recompute``): keep the inputs of RMSNorm and SwiGLU, not
+    their outputs, and recompute them in the dX task (bitwise identical; see [Note: element-wise
+    recompute] in ``moe/model.py``)."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:

@@ -18,6 +18,19 @@ dispatch.re when dispatch recompute is on), mlp.dw. Router dW runs inside router
 Per micro-batch extras: embed.fwd / embed.dw (after attn.dx of layer 0), head.fwd (loss),
 head.dx, head.dw. ``INTRA_LAYER_DEPS`` lists these dependencies as data.
 
+[Note: element-wise recompute]
+With ``MoEModelArgs.recompute`` (``schedule.recompute``) the cheap element-wise ops keep their
+inputs, not their outputs, and the dX task recomputes what is needed:
+  SwiGLU (shared, expert, mlp): ``split._SwiGLU`` saves h1 and h3 (not silu(h1)) and recomputes
+      silu(h1) in its backward; the w2 GEMM's WGrad input silu(h1) * h3 is not saved by the forward
+      but recomputed at the end of the dX task (``SubOpCtx`` recipes) from the kept h1, h3.
+  RMSNorm (attn_norm, ffn_norm, final_norm): autograd keeps x and rstd anyway; the normalised
+      output (the norm weight's WGrad input) and the scaled output (the following GEMM's WGrad
+      input: wqkv, head) are recomputed at the end of the dX task from x and rstd.
+Same ops on the same operands: bitwise identical to storing (tests/test_quant_recompute.py). What
+a dX task leaves for the dW task is unchanged; what the forward keeps shrinks (tiny-cpu, bytes per
+micro-batch: attn 1.19 -> 0.80 MB, mlp 2.23 -> 1.18, shared 1.18 -> 0.66, expert 2.38 -> 1.33).
+
 Loss: ``ce + aux_loss_coef * sum_layers aux`` with a sequence-wise aux loss (DeepSeek-V3 style:
 per sequence ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the sequence's K*S slots routed
 to e and ``P_e`` its mean score, averaged over sequences). It is linear in the sequences, so
@@ -39,7 +52,7 @@ from k3sched.tasks import Kind
 from moe.comm import ProcessGroup, all_to_all_uneven, exchange_counts, group_size
 from moe.config import MoEModelArgs
 from moe.context import LayerCtx, MicroBatch, RoutingPlan, zero_scalar_like
-from moe.split import SubOpCtx
+from moe.split import SubOpCtx, swiglu
 
 EXPERT_PARAMS: frozenset[str] = frozenset({"w1", "w3", "w2"})
 """Block parameter names sharded over EP ranks (dim 0 = expert)."""
@@ -78,6 +91,22 @@ MICROBATCH_KINDS: frozenset[Kind] = frozenset({Kind.EMBED_FWD, Kind.EMBED_DW, Ki
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
     """``x / rms(x)`` over the last dim (the RMSNorm weight is applied by the caller)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_scale(c: SubOpCtx, suffix: str, x: Tensor, weight: nn.Parameter, eps: float, recompute: bool
+               ) -> tuple[Tensor, tuple | None]:
+    """``RMSNorm(x) * weight`` in context ``c`` (weight gradient deferred). Returns the output and,
+    with ``recompute``, the recipe that recomputes it for the WGrad slot of the GEMM it feeds
+    (None without): see [Note: element-wise recompute]."""
+    if not recompute:
+        return c.scale(suffix, rms_normalize(x, eps), weight), None
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # the ops of rms_normalize, r kept by name
+    out = c.scale(suffix, x * r, weight, recompute=(_mul, (x, r)))
+    return out, (lambda x_, r_: (x_ * r_) * weight, (x, r))
+
+
+def _mul(a: Tensor, b: Tensor) -> Tensor:
+    return a * b
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -194,12 +223,12 @@ class Block(nn.Module):
         c = lc.attn = SubOpCtx("attn")
         with c.recording():
             x = c.tap("x", x_BSD)
-            n = c.scale("attn_norm", rms_normalize(x, a.rms_eps), self.attn_norm)
-            qkv = c.linear("wqkv", n, self.wqkv)
+            n, n_recipe = norm_scale(c, "attn_norm", x, self.attn_norm, a.rms_eps, a.recompute)
+            qkv = c.linear("wqkv", n, self.wqkv, recompute=n_recipe)
             q, k, v = qkv.view(B, S, 3, a.heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
             o_BSD = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
             h = x + c.linear("wo", o_BSD, self.wo)
-            xn = c.scale("ffn_norm", rms_normalize(h, a.rms_eps), self.ffn_norm)
+            xn, _ = norm_scale(c, "ffn_norm", h, self.ffn_norm, a.rms_eps, a.recompute)
             lc.h_BSD = c.output("h", h)
             lc.xn_TD = c.output("xn", xn.reshape(B * S, D))
 
@@ -249,8 +278,10 @@ class Block(nn.Module):
         c = lc.shared = SubOpCtx("shared")
         with c.recording():
             xn = c.tap("xn", lc.xn_TD)
-            a = F.silu(c.linear("w1", xn, self.shared_w1)) * c.linear("w3", xn, self.shared_w3)
-            lc.shared_TD = c.output("out", c.linear("w2", a, self.shared_w2))
+            rc = self.args.recompute
+            h1, h3 = c.linear("w1", xn, self.shared_w1), c.linear("w3", xn, self.shared_w3)
+            a = c.swiglu(h1, h3, rc)
+            lc.shared_TD = c.output("out", c.linear("w2", a, self.shared_w2, recompute=(swiglu, (h1, h3)) if rc else None))
 
     def expert_fwd(self, lc: LayerCtx) -> None:
         """expert.fwd: grouped SwiGLU over local experts; sets ``expert_out_ND`` (received order)."""
@@ -262,7 +293,9 @@ class Block(nn.Module):
             xs_ND = x_ND.index_select(0, p.local_sort_N)
             h1 = c.grouped_linear("w1", xs_ND, self.w1, sizes)
             h3 = c.grouped_linear("w3", xs_ND, self.w3, sizes)
-            o_ND = c.grouped_linear("w2", F.silu(h1) * h3, self.w2, sizes)
+            rc = self.args.recompute
+            o_ND = c.grouped_linear("w2", c.swiglu(h1, h3, rc), self.w2, sizes,
+                                    recompute=(swiglu, (h1, h3)) if rc else None)
             lc.expert_out_ND = c.output("out", o_ND.index_select(0, p.local_unsort_N))
         if self.args.dispatch_recompute:
             lc.recompute_name = c.slots[0].x_name
@@ -294,8 +327,11 @@ class Block(nn.Module):
         c = lc.mlp = SubOpCtx("mlp")
         with c.recording():
             xn = c.tap("xn", lc.xn_TD)
-            a = F.silu(c.linear("w1", xn, self.mlp_w1)) * c.linear("w3", xn, self.mlp_w3)
-            y = c.output("y", c.tap("h", lc.h_BSD) + c.linear("w2", a, self.mlp_w2).view(B, S, D))
+            rc = self.args.recompute
+            h1, h3 = c.linear("w1", xn, self.mlp_w1), c.linear("w3", xn, self.mlp_w3)
+            a = c.swiglu(h1, h3, rc)
+            out = c.linear("w2", a, self.mlp_w2, recompute=(swiglu, (h1, h3)) if rc else None)
+            y = c.output("y", c.tap("h", lc.h_BSD) + out.view(B, S, D))
         lc.clear_forward_boundaries()
         return y
 
@@ -495,7 +531,8 @@ class MoEModel(nn.Module):
         c = mb.head = SubOpCtx("head")
         with c.recording():
             x = c.tap("x", mb.acts[-1])
-            logits = c.linear("head", c.scale("final_norm", rms_normalize(x, a.rms_eps), self.final_norm), self.head)
+            n, n_recipe = norm_scale(c, "final_norm", x, self.final_norm, a.rms_eps, a.recompute)
+            logits = c.linear("head", n, self.head, recompute=n_recipe)
             ce = F.cross_entropy(logits.to(router_dtype(logits.dtype)).reshape(-1, a.vocab), mb.targets_BS.reshape(-1))
             mb.ce = c.output("loss", ce)
         mb.acts[-1] = None

@@ -173,6 +173,9 @@ class WGradSlot:
     x_name: str | None = None
     g_name: str | None = None
     group_sizes: list[int] | None = None
+    deferred: bool = False
+    """The input is recomputed at the end of the dX task (:meth:`SubOpCtx.backward_dx`), not
+    saved by the forward ([Note: element-wise recompute])."""
 
     def save_input(self, x: Tensor) -> None:
         self.x_name = self.store.put(x, self.name)
@@ -231,7 +234,8 @@ class _GradTap(torch.autograd.Function):
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, slot: WGradSlot) -> Tensor:
-        slot.save_input(x)
+        if not slot.deferred:
+            slot.save_input(x)
         ctx.slot = slot
         return F.linear(x, weight.to(x.dtype))
 
@@ -245,7 +249,8 @@ class _SplitLinear(torch.autograd.Function):
 class _SplitGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NI: Tensor, weight_LOI: Tensor, slot: WGradSlot) -> Tensor:
-        slot.save_input(x_NI)
+        if not slot.deferred:
+            slot.save_input(x_NI)
         ctx.slot = slot
         assert slot.group_sizes is not None
         outs = [F.linear(xl, weight_LOI[i]) for i, xl in enumerate(x_NI.split(slot.group_sizes))]
@@ -263,7 +268,8 @@ class _SplitGroupedLinear(torch.autograd.Function):
 class _SplitScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, slot: WGradSlot) -> Tensor:
-        slot.save_input(x)
+        if not slot.deferred:
+            slot.save_input(x)
         ctx.slot = slot
         return x * weight
 
@@ -272,6 +278,30 @@ class _SplitScale(torch.autograd.Function):
         slot: WGradSlot = ctx.slot
         slot.save_grad(g)
         return g * slot.param.to(g.dtype), None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(h1) * h3`` that saves only ``h1`` and ``h3`` (not ``silu(h1)``) and recomputes
+    ``silu(h1)`` in backward; the gradients are bitwise those of autograd's silu + mul."""
+
+    @staticmethod
+    def forward(ctx, h1: Tensor, h3: Tensor) -> Tensor:
+        ctx.save_for_backward(h1, h3)
+        return F.silu(h1) * h3
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        h1, h3 = ctx.saved_tensors
+        # autograd: MulBackward0 gives (g * h3, g * silu(h1)); SiluBackward0 is aten.silu_backward
+        return torch.ops.aten.silu_backward(g * h3, h1), g * F.silu(h1)
+
+
+def swiglu(h1: Tensor, h3: Tensor) -> Tensor:
+    """The SwiGLU product ``silu(h1) * h3`` (what :meth:`SubOpCtx.swiglu` computes)."""
+    return F.silu(h1) * h3
+
+
+Recipe = tuple  # (fn, (source tensors...)): a WGrad input recomputed as fn(*sources)
 
 
 @dataclass(eq=False)
@@ -290,6 +320,8 @@ class SubOpCtx:
     anchor: Tensor | None = None
     dx_done: bool = False
     dw_done: bool = False
+    recipes: list[tuple[WGradSlot, object, list[str]]] = field(default_factory=list)
+    """Deferred WGrad inputs: (slot, fn, names of the source tensors in the store)."""
 
     def __post_init__(self) -> None:
         self.store = SavedStore(self.op)
@@ -323,19 +355,35 @@ class SubOpCtx:
         self.slots.append(slot)
         return slot
 
-    def linear(self, suffix: str, x: Tensor, weight: nn.Parameter) -> Tensor:
-        """``x @ weight^T`` whose weight gradient is deferred to this context's dW task."""
-        return _SplitLinear.apply(x, weight, self._slot(suffix, weight, "linear"))
+    def _defer(self, slot: WGradSlot, recompute: Recipe | None) -> WGradSlot:
+        """Recompute ``slot``'s input from ``recompute = (fn, sources)`` at the end of the dX task
+        instead of saving it ([Note: element-wise recompute]); the sources stay in the store
+        until then (they are graph-saved tensors already, so this keeps nothing extra)."""
+        if recompute is not None:
+            fn, sources = recompute
+            user = f"recompute:{slot.name}"
+            self.recipes.append((slot, fn, [self.store.put(t, user) for t in sources]))
+            slot.deferred = True
+        return slot
 
-    def grouped_linear(self, suffix: str, x_NI: Tensor, weight_LOI: nn.Parameter, group_sizes: list[int]
-                       ) -> Tensor:
+    def linear(self, suffix: str, x: Tensor, weight: nn.Parameter, recompute: Recipe | None = None) -> Tensor:
+        """``x @ weight^T`` whose weight gradient is deferred to this context's dW task
+        (``recompute``: its input is recomputed in the dX task, not saved)."""
+        return _SplitLinear.apply(x, weight, self._defer(self._slot(suffix, weight, "linear"), recompute))
+
+    def grouped_linear(self, suffix: str, x_NI: Tensor, weight_LOI: nn.Parameter, group_sizes: list[int],
+                       recompute: Recipe | None = None) -> Tensor:
         """Per-group ``x_l @ weight[l]^T`` over consecutive row groups (a grouped GEMM)."""
-        return _SplitGroupedLinear.apply(x_NI, weight_LOI, self._slot(suffix, weight_LOI, "grouped",
-                                                                      list(group_sizes)))
+        slot = self._defer(self._slot(suffix, weight_LOI, "grouped", list(group_sizes)), recompute)
+        return _SplitGroupedLinear.apply(x_NI, weight_LOI, slot)
 
-    def scale(self, suffix: str, x: Tensor, weight: nn.Parameter) -> Tensor:
+    def scale(self, suffix: str, x: Tensor, weight: nn.Parameter, recompute: Recipe | None = None) -> Tensor:
         """``x * weight`` (broadcast over the last dim) with a deferred weight gradient."""
-        return _SplitScale.apply(x, weight, self._slot(suffix, weight, "scale"))
+        return _SplitScale.apply(x, weight, self._defer(self._slot(suffix, weight, "scale"), recompute))
+
+    def swiglu(self, h1: Tensor, h3: Tensor, recompute: bool = False) -> Tensor:
+        """``silu(h1) * h3``; with ``recompute`` only ``h1`` and ``h3`` are saved (not ``silu(h1)``)."""
+        return _SwiGLU.apply(h1, h3) if recompute else swiglu(h1, h3)
 
     def embedding_slot(self, param: nn.Parameter, ids: Tensor) -> WGradSlot:
         """A WGrad slot for an embedding lookup of ``ids`` (filled by the caller)."""
@@ -359,6 +407,11 @@ class SubOpCtx:
         names = [n for n in self.edges if grads.get(n) is not None]
         if names:
             torch.autograd.backward([self.edges[n] for n in names], grad_tensors=[grads[n] for n in names])
+        for slot, fn, srcs in self.recipes:  # deferred WGrad inputs, before the graph's tensors go
+            with torch.no_grad():
+                slot.save_input(fn(*[self.store.get(n) for n in srcs]))
+            self.store.release_user(f"recompute:{slot.name}")
+        self.recipes.clear()
         self.edges.clear()
         self.anchor = None
         self.store.release_user(GRAPH_USER)

@@ -70,10 +70,12 @@ GRAD_WRITERS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP
 
 
 def model_args(cfg: Config) -> MoEModelArgs:
-    """The ``moe`` model arguments of a config (dispatch recompute follows the schedule)."""
+    """The ``moe`` model arguments of a config (dispatch recompute and element-wise recompute
+    follow the schedule)."""
     m = cfg.model
     return MoEModelArgs.from_mapping({**m.model_dump(), "dense_hidden": m.ffn_dense_hidden,
-                                      "dispatch_recompute": cfg.schedule.dispatch_recompute})
+                                      "dispatch_recompute": cfg.schedule.dispatch_recompute,
+                                      "recompute": cfg.schedule.recompute})
 
 
 @dataclass(frozen=True)
