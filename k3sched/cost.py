@@ -205,24 +205,32 @@ class CostModel:
         """(bytes kept until dW -- the op's inputs --, bytes kept until dX only) of a forward op."""
         measured = self.profile.saved_bytes.get(kind.value)
         if isinstance(measured, tuple):
+            if kind is Kind.HEAD_FWD:  # kept in the model dtype, see below
+                return int(measured[0]), int(measured[1])
             return self._quant(measured[0]), self._quant(measured[1])
         m = self.cfg.model
         T, h, k, b = self.T, m.hidden, m.top_k, self.b
         f, F = m.expert_hidden, m.ffn_dense_hidden
-        rc = 0.5 if self.cfg.schedule.recompute else 1.0
+        rc = self.cfg.schedule.recompute
+        hb = b  # the head's activations stay in the model dtype (log-softmax is not quantized)
         if self.cfg.schedule.act_quant == "fp8":
             b = 1 + 4 / 128  # one byte per element plus one fp32 scale per 1x128 tile
         dr = self.cfg.schedule.dispatch_recompute
+        # SwiGLU keeps h1, silu(h1), h3 and their product (4 per row of width F); with element-wise
+        # recompute only h1 and h3. RMSNorm outputs (3 T h per layer) are recomputed from their
+        # inputs under recompute (what the moe sub-ops do, see moe/split.py).
+        glu = 2 if rc else 4
+        norms = 0 if rc else 3 * T * h * b
         table = {
             # norm input + normed input (dW of qkv), q,k,v + attention output (dX) + lse
-            Kind.ATTN_FWD: (2 * T * h * b, int(rc * 4 * T * h * b) + T * m.heads * 4),
+            Kind.ATTN_FWD: (2 * T * h * b, int(4 * T * h * b + norms) + T * m.heads * 4),
             Kind.ROUTER_FWD: (T * h * b, T * m.experts * 4),
             Kind.DISPATCH_FWD: (0 if dr else T * k * h * b, 0),
-            Kind.EXPERT_FWD: (0, int(rc * 3 * T * k * f * b)),
+            Kind.EXPERT_FWD: (0, int(glu * T * k * f * b)),
             Kind.COMBINE_FWD: (0, T * k * h * b),
-            Kind.SHARED_FWD: (0, int(rc * 3 * T * f * b * m.shared_experts)),
-            Kind.MLP_FWD: (T * h * b, int(rc * 3 * T * F * b)),
-            Kind.HEAD_FWD: (T * h * b, T * m.vocab * 4),
+            Kind.SHARED_FWD: (0, int(glu * T * f * b * m.shared_experts)),
+            Kind.MLP_FWD: (T * h * b, int(glu * T * F * b)),
+            Kind.HEAD_FWD: (T * h * hb, T * m.vocab * 4),
             Kind.EMBED_FWD: (0, 0),
         }
         w, x = table.get(kind, (0, 0))
