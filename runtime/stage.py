@@ -62,7 +62,6 @@ from offload.gradshard import GradShards
 from .executor import Handler, PlanTask
 from .groups import Groups
 
-NOT_BUILT: dict[Kind, str] = {}
 BACKWARD_KINDS = frozenset(k for k in Kind if k.phase in ("dx", "dw", "bwd", "re"))
 LAST_FORWARD = frozenset({Kind.COMBINE_FWD, Kind.MLP_FWD})
 """The last forward task of a layer: its saved set is complete ([Note: FP8 on the device])."""
@@ -333,8 +332,6 @@ class StageRunner:
         table[Kind.OPTIM] = self._optim
         if self.gshards is not None:
             table.update(self.gshards.handlers())
-        for k, msg in NOT_BUILT.items():
-            table[k] = _not_built(msg)
         table = {k: self._tracked(h) for k, h in table.items()}
         if self.fail_task is not None:
             table = {k: self._maybe_fail(h) for k, h in table.items()}
@@ -556,12 +553,6 @@ def _allreduce_grads(params: list[nn.Parameter], group) -> None:
         n = p.numel()
         p.grad.copy_(flat[off:off + n].view_as(p.grad))
         off += n
-
-
-def _not_built(msg: str) -> Handler:
-    def run(task: PlanTask) -> None:
-        raise NotImplementedError(msg)
-    return run
 
 
 __all__ = ["LANES", "StageRunner", "StageSpec", "build_stage_model", "model_args", "synthetic_batch"]
