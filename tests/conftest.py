@@ -16,3 +16,18 @@ def tiny_cfg():
     from k3sched.config import load_config
 
     return load_config(CONFIGS / "tiny-cpu.yaml")
+
+
+class FakeCtx:
+    """A moe ``LayerCtx`` stand-in for offload tests: named saved tensors with ``replace`` (same
+    shape and dtype, as the real store requires)."""
+
+    def __init__(self, **t):
+        self.t = dict(t)
+
+    def saved_tensors(self):
+        return dict(self.t)
+
+    def replace(self, name, x):
+        assert x.shape == self.t[name].shape and x.dtype == self.t[name].dtype
+        self.t[name] = x

@@ -20,24 +20,14 @@ from offload.measure import saved_bytes_profile, write_profile
 from offload.quant import dequantize, quantize
 from runtime.local import local_run
 
+from conftest import FakeCtx
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 ONE_RANK = ["parallel.pp=1", "parallel.ep=1", "parallel.microbatches=2", "model.layers=2", "model.seq_len=16",
             "model.micro_batch_size=1", "schedule.offload=all"]
 
 
-class FakeCtx:
-    """A LayerCtx stand-in: named saved tensors with replace (same shape and dtype)."""
-
-    def __init__(self, **t):
-        self.t = dict(t)
-
-    def saved_tensors(self):
-        return dict(self.t)
-
-    def replace(self, name, x):
-        assert x.shape == self.t[name].shape and x.dtype == self.t[name].dtype
-        self.t[name] = x
 
 
 def test_pool_reuses_size_classes_and_never_hands_out_a_fenced_buffer():

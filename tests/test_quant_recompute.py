@@ -25,6 +25,8 @@ from runtime.executor import Executor, stage_lanes
 from runtime.groups import Layout, build_groups
 from runtime.stage import StageRunner, StageSpec
 
+from conftest import FakeCtx
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 # One rank, GPipe (every micro-batch's sets in flight at the end of the forward), WGrad right
@@ -34,16 +36,6 @@ ONE_RANK = ["parallel.pp=1", "parallel.ep=1", "parallel.microbatches=4", "model.
             "schedule.wgrad_lag=0"]
 
 
-class FakeCtx:
-    def __init__(self, **t):
-        self.t = dict(t)
-
-    def saved_tensors(self):
-        return dict(self.t)
-
-    def replace(self, name, x):
-        assert x.shape == self.t[name].shape and x.dtype == self.t[name].dtype
-        self.t[name] = x
 
 
 def _train(overrides: list[str], steps: int = 3, debug: bool | None = None):
