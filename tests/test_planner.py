@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 
 import pytest
@@ -80,7 +81,8 @@ def small_configs(draw):
     return config_from_dict(base), frac
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("K3SCHED_HYPOTHESIS_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(small_configs(), st.sampled_from(["k3", "serial"]))
 def test_plan_properties_on_random_small_configs(cfg_frac, strategy):
     cfg, frac = cfg_frac
