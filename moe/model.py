@@ -271,17 +271,22 @@ class Block(nn.Module):
             c.store.put(lc.xn_TD, "recompute", name="dispatch.xn")
         lc.recv_ND = all_to_all_uneven(x_perm_PD, lc.plan.send_splits, lc.plan.recv_splits, group)
 
+    def _swiglu_ffn(self, c: SubOpCtx, xn: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+        """``w2(silu(w1 xn) * w3 xn)`` recorded on ``c`` (shared expert, dense MLP); under
+        element-wise recompute only h1 and h3 are kept and the product is rebuilt in backward."""
+        rc = self.args.recompute
+        h1, h3 = c.linear("w1", xn, w1), c.linear("w3", xn, w3)
+        a = c.swiglu(h1, h3, rc)
+        return c.linear("w2", a, w2, recompute=(swiglu, (h1, h3)) if rc else None)
+
     def shared_fwd(self, lc: LayerCtx) -> None:
         """shared.fwd: shared-expert SwiGLU of ``xn_TD``; sets ``shared_TD`` (no-op without one)."""
         if not self.has_shared:
             return
         c = lc.shared = SubOpCtx("shared")
         with c.recording():
-            xn = c.tap("xn", lc.xn_TD)
-            rc = self.args.recompute
-            h1, h3 = c.linear("w1", xn, self.shared_w1), c.linear("w3", xn, self.shared_w3)
-            a = c.swiglu(h1, h3, rc)
-            lc.shared_TD = c.output("out", c.linear("w2", a, self.shared_w2, recompute=(swiglu, (h1, h3)) if rc else None))
+            out = self._swiglu_ffn(c, c.tap("xn", lc.xn_TD), self.shared_w1, self.shared_w3, self.shared_w2)
+            lc.shared_TD = c.output("out", out)
 
     def expert_fwd(self, lc: LayerCtx) -> None:
         """expert.fwd: grouped SwiGLU over local experts; sets ``expert_out_ND`` (received order)."""
@@ -326,11 +331,7 @@ class Block(nn.Module):
         B, S, D = lc.h_BSD.shape
         c = lc.mlp = SubOpCtx("mlp")
         with c.recording():
-            xn = c.tap("xn", lc.xn_TD)
-            rc = self.args.recompute
-            h1, h3 = c.linear("w1", xn, self.mlp_w1), c.linear("w3", xn, self.mlp_w3)
-            a = c.swiglu(h1, h3, rc)
-            out = c.linear("w2", a, self.mlp_w2, recompute=(swiglu, (h1, h3)) if rc else None)
+            out = self._swiglu_ffn(c, c.tap("xn", lc.xn_TD), self.mlp_w1, self.mlp_w3, self.mlp_w2)
             y = c.output("y", c.tap("h", lc.h_BSD) + out.view(B, S, D))
         lc.clear_forward_boundaries()
         return y
