@@ -241,6 +241,106 @@ def calibrate(
     console.print(f"wrote {out} (plan with --set schedule.profile={out})", highlight=False)
 
 
+def _writable_target(path: Path) -> str | None:
+    """Why ``path`` cannot be written (one phrase), or None."""
+    import os
+
+    if path.is_dir():
+        return "is a directory"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "is not writable"
+    anc = path.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is not a directory"
+    return None if os.access(anc, os.W_OK | os.X_OK) else f"cannot create files under {anc}"
+
+
+@app.command()
+def probe(
+    nproc: int = typer.Option(2, help="Ranks for the collective measurements (torchrun; gloo on CPU, NCCL on GPU)."),
+    out: Path = typer.Option(Path("hardware.yaml"), "-o", "--out", help="YAML to write: CONFIG with its hardware "
+                             "section replaced (with --config), else a file with only the hardware section."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Config whose model gives the GEMM shapes and "
+                                          "dtype, whose hardware gives what is not measured (memory sizes, "
+                                          "gpus_per_node); the output is this config with measured hardware."),
+    emulate_links: bool = typer.Option(False, help="Run the collectives in the shaped-link testbed "
+                                                   "(runtime/testbed.py; needs --config and root)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field of --config: SECTION.KEY=VALUE "
+                                              "(kept in the output; measured hardware fields are replaced)."),
+    quick: bool = typer.Option(False, help="Fewer sizes and repetitions (~10 s on 2 cores; for tests)."),
+    timeout: float = typer.Option(300.0, help="Limit of the collective measurement (and its process groups), s."),
+) -> None:
+    """Measure this machine (GEMM rate at the model's shapes in one thread, per-task overhead, memory
+    copy, offload copy, collective bus bandwidth and latency over NPROC ranks) and write the
+    hardware section the cost model reads. See [Note: what the probe measures] in runtime/probe.py."""
+    if nproc < 2:
+        fail(f"--nproc: the collective measurements need at least 2 ranks; got {nproc}")
+    if nproc > 64:
+        fail(f"--nproc: at most 64 local ranks; got {nproc}")
+    if not timeout > 0:
+        fail(f"--timeout: must be positive; got {timeout}")
+    if set_ and config is None:
+        fail("--set: needs --config (it overrides the config's fields)")
+    cfg = _load(config, set_) if config is not None else None
+    why = _writable_target(out)
+    if why:
+        fail(f"-o {out}: {why}")
+    if emulate_links and cfg is None:
+        fail("--emulate-links: needs --config (the links are shaped to its hardware.internode_gbps and nvlink_gbps)")
+    testbed, testbed_errors = None, ()
+    if emulate_links:
+        try:
+            from runtime.testbed import Testbed, TestbedError, testbed_available
+        except ImportError:
+            fail("--emulate-links: the testbed (runtime/testbed.py) is not available")
+        testbed_errors = (TestbedError,)
+        reason = testbed_available()
+        if reason is not None:
+            fail(f"--emulate-links: {reason}")
+        try:
+            testbed = Testbed(cfg.hardware, nproc)  # opened around the collective measurements only
+        except ValueError as e:
+            fail(f"--emulate-links: {e}")
+    from runtime import probe as probe_mod  # imports torch: only when a probe is asked for
+
+    def say(msg: str) -> None:
+        err_console.print(f"probe: {msg}", highlight=False)
+
+    try:
+        res = probe_mod.probe(cfg, nproc=nproc, quick=quick, testbed=testbed, timeout_s=timeout, progress=say)
+    except probe_mod.ProbeError as e:
+        fail(str(e), code=1)
+    except testbed_errors as e:  # the testbed was refused when it was set up: nothing measured
+        fail(f"--emulate-links: {e}")
+    t = Table(title=f"k3sched probe: {res.device}, {res.nproc} ranks"
+              + (" in the shaped-link testbed" if res.emulated else " on this machine"), title_justify="left")
+    for name, just in (("measured", "left"), ("value", "right"), ("how", "left"), ("fit residual", "right")):
+        t.add_column(name, justify=just)
+    for r in res.rows:
+        t.add_row(r.what, r.value, r.how, "" if r.residual is None else f"{r.residual * 100:.1f}%")
+    console.print(t)
+    bus = Table(title="collectives (nccl-tests style; time: slowest rank, median)", title_justify="left")
+    for name in ("group", "op", "size", "time µs", "algbw GB/s", "busbw GB/s"):
+        bus.add_column(name, justify="left" if name in ("group", "op") else "right")
+    for gname, g in res.collectives["groups"].items():
+        for op, rows in g["ops"].items():
+            for row in rows:
+                bus.add_row(gname, op, str(row["bytes"]), f"{row['time_us']:.1f}", f"{row['algbw_gbps']:.3f}",
+                            f"{row['busbw_gbps']:.3f}")
+    console.print(bus)
+    for note in res.notes:
+        console.print(f"note: {note}", highlight=False)
+    try:
+        path = probe_mod.write_hardware(res, out, config, set_)
+    except ConfigError as e:
+        fail(f"-o {out}: the measured numbers do not make a valid config: {e}")
+    except OSError as e:
+        fail(f"-o {out}: cannot write ({e.strerror})")
+    console.print(f"wrote {path}", highlight=False)
+
+
 def main() -> None:
     try:
         app()
