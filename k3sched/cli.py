@@ -186,6 +186,9 @@ def run(
     strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
     nsys: bool = typer.Option(False, help="Record NVTX ranges with Nsight Systems (DIR/profile.*) and validate."),
     timeout: Optional[float] = typer.Option(None, help="Wall-clock limit of the whole run, seconds."),
+    emulate_links: bool = typer.Option(False, help="Run every rank in its own network namespace behind a NIC "
+                                                   "shaped to hardware.internode_gbps (across emulated nodes "
+                                                   "of gpus_per_node) and nvlink_gbps (within one); needs root."),
 ) -> None:
     """Train STEPS steps of the config for real under torchrun (gloo on CPU, NCCL on GPU), following
     the plan on five lanes; write plan.json, per-rank traces and a summary into OUT."""
@@ -193,7 +196,8 @@ def run(
         fail(f"--strategy: must be k3 or serial; got {strategy!r}")
     from runtime.launch import run_command  # imports torch: only when a run is asked for
 
-    raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout))
+    raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
+                                 emulate_links=emulate_links))
 
 
 @app.command()

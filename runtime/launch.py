@@ -14,6 +14,10 @@ the ranks under torchrun and makes sure none outlives it.
   kill, a hung capture killed and retried once), exports ``DIR/profile.sqlite``, validates it
   against ``DIR/plan.json`` (ranks share the host clock: cross-rank dependencies are compared),
   prints the verdict and writes ``DIR/validation.json``; a trace that does not conform returns 1.
+- ``emulate_links=True`` runs torchrun and the ranks inside the shaped-link testbed
+  (:mod:`runtime.testbed`: one network namespace per rank, NIC rates from the config's hardware),
+  deleted again on every exit path; when it cannot be set up (not root, no ``ip`` / ``tc``,
+  namespaces refused) one line and 2, nothing launched. Not combinable with ``nsys``.
 """
 
 from __future__ import annotations
@@ -71,15 +75,20 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
 
 def torchrun_command(config_path: str | Path, out_dir: Path, nproc: int, *, overrides: list[str] | None = None,
                      steps: int = 3, strategy: str | None = None, port: int | None = None,
-                     extra: list[str] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()), "--max-restarts", "0",
-           "-m", "runtime.train", str(config_path), "--out", str(out_dir), "--steps", str(steps)]
+                     extra: list[str] | None = None, testbed=None) -> list[str]:
+    """The torchrun command of a local run; with ``testbed`` (a :class:`runtime.testbed.Testbed`)
+    torchrun runs in its hub namespace and each rank in its own rank namespace."""
+    train = [str(config_path), "--out", str(out_dir), "--steps", str(steps)]
     for o in overrides or []:
-        cmd += ["--set", o]
+        train += ["--set", o]
     if strategy:
-        cmd += ["--strategy", strategy]
-    return cmd + list(extra or [])
+        train += ["--strategy", strategy]
+    train += list(extra or [])
+    if testbed is not None:
+        return testbed.torchrun_command([sys.executable, "-m", "runtime.train", *train], port=port, nproc=nproc)
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()), "--max-restarts", "0",
+            "-m", "runtime.train", *train]
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -159,10 +168,15 @@ def first_error(out_dir: Path) -> str | None:
 def run_command(config_path: str | Path, overrides: list[str] | None, steps: int, nproc: int | None,
                 out_dir: str | Path, nsys: bool = False, strategy: str | None = None, *,
                 timeout_s: float | None = None, extra_args: list[str] | None = None, env: dict | None = None,
-                quiet: bool = False, nsys_retries: int = 1) -> int:
+                quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
+                link_rates: dict | None = None) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
-    user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`)."""
+    user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
+    ``emulate_links``: run the ranks on the shaped-link testbed (:mod:`runtime.testbed`), links at
+    the config's hardware rates unless ``link_rates`` (keyword arguments of
+    :class:`runtime.testbed.Testbed`: ``internode_gbps``, ``nvlink_gbps``, ``gpus_per_node``,
+    ``rate_scale``) says otherwise; summary.json then has a ``testbed`` entry."""
     out = Path(out_dir)
     try:
         cfg, _ = check_run(config_path, overrides, nproc, strategy)
@@ -173,17 +187,76 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         _err(f"--steps: must be at least 1; got {steps}")
         return 2
     world = cfg.parallel.world
+    if emulate_links:
+        return _run_on_testbed(cfg, config_path, overrides, steps, out, nsys, strategy, timeout_s=timeout_s,
+                               extra_args=extra_args, env=env, quiet=quiet, link_rates=link_rates)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("error_rank*.txt")) + list(out.glob("trace_rank*.json")):
         stale.unlink()
     cmd = torchrun_command(config_path, out, world, overrides=overrides, steps=steps, strategy=strategy,
                            extra=(["--quiet"] if quiet else []) + list(extra_args or []))
+    run_env = _run_env(env)
+    if nsys:
+        return _run_under_nsys(cmd, out, run_env, world, timeout_s, quiet, nsys_retries)
+    return _launch(cmd, out, run_env, world, timeout_s, quiet)
+
+
+def _run_env(env: dict | None) -> dict:
     run_env = {**os.environ, **(env or {})}
     run_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), run_env.get("PYTHONPATH", "")] if p)
     run_env.setdefault("OMP_NUM_THREADS", "1")
     run_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return run_env
+
+
+def _run_on_testbed(cfg, config_path, overrides, steps: int, out: Path, nsys: bool, strategy, *, timeout_s,
+                    extra_args, env, quiet: bool, link_rates: dict | None) -> int:
+    """The ``emulate_links=True`` path of :func:`run_command`: refuse (one line, 2) when the
+    testbed cannot be set up, else launch inside it and delete it whatever happens."""
+    from runtime.testbed import Testbed, TestbedError, testbed_available
+
     if nsys:
-        return _run_under_nsys(cmd, out, run_env, world, timeout_s, quiet, nsys_retries)
+        _err("--emulate-links: cannot be combined with --nsys (the ranks run in their own network namespaces); "
+             "drop one of the two")
+        return 2
+    reason = testbed_available()
+    if reason is not None:
+        _err(f"--emulate-links: {reason}")
+        return 2
+    world = cfg.parallel.world
+    try:
+        tb = Testbed(cfg.hardware, world, **(link_rates or {}))
+    except (TypeError, ValueError) as e:
+        _err(f"--emulate-links: {e}")
+        return 2
+    try:
+        tb.start()
+    except TestbedError as e:
+        _err(f"--emulate-links: {e}")
+        return 2
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in list(out.glob("error_rank*.txt")) + list(out.glob("trace_rank*.json")):
+            stale.unlink()
+        cmd = torchrun_command(config_path, out, world, overrides=overrides, steps=steps, strategy=strategy,
+                               extra=(["--quiet"] if quiet else []) + list(extra_args or []), testbed=tb)
+        if not quiet:
+            print(tb.describe(), flush=True)
+        rc = _launch(cmd, out, {**_run_env(env), **tb.env()}, world, timeout_s, quiet)
+    finally:
+        tb.close()
+    summary = out / "summary.json"
+    if rc == 0 and summary.exists():
+        import json
+
+        doc = json.loads(summary.read_text())
+        doc["testbed"] = tb.info()
+        summary.write_text(json.dumps(doc, indent=1))
+    return rc
+
+
+def _launch(cmd: list[str], out: Path, run_env: dict, world: int, timeout_s: float | None, quiet: bool) -> int:
+    """Start ``cmd`` (torchrun) in a new session, wait, kill its process group on any exit."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, start_new_session=True)
     rc: int | None = None
     try:
@@ -194,6 +267,9 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     except KeyboardInterrupt:
         _err("interrupted; stopped every rank")
         return 130
+    except SystemExit:  # SIGTERM / SIGHUP while a testbed is open
+        _err("terminated; stopped every rank")
+        raise
     finally:
         kill_group(proc)
     if rc != 0:
