@@ -18,4 +18,9 @@ quiet "${VPIP[@]}" install --no-build-isolation -e ".[dev]"
 if [ "${K3SCHED_NSYS:-1}" = 1 ] && ! command -v nsys >/dev/null 2>&1; then
   bash scripts/install_nsys.sh || echo "setup: nsight-systems not installed; nsys tests will skip" >&2
 fi
+# iproute2 (ip, tc) for the shaped-link testbed (k3sched run --emulate-links, root only); optional.
+if ! command -v tc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get install -y -q iproute2 || { apt-get update -q && apt-get install -y -q iproute2; }; } >/dev/null 2>&1 \
+    || echo "setup: iproute2 not installed; testbed tests will skip" >&2
+fi
 touch .venv/.k3sched-setup
