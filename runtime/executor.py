@@ -13,6 +13,17 @@ kind -> callable) and enters the lane through :meth:`Executor._lane` (wait on in
 the NVTX range named by the task id on the issuing thread, run, record start/end and the done
 event). CUDA objects are created lazily, so this module imports and runs on CPU.
 
+[Note: serial execution]
+With ``serial=True`` (the ``serial`` strategy) the stage runs one task at a time, as the plan's
+baseline says: every task also waits for the task before it in :func:`serial_order` (a stage-wide
+token passed along one linear extension of the lane orders and dependencies, earliest planned
+start first). Lane threads stay, so the trace format and the handlers are the same, but no two
+tasks of a rank ever overlap. One thing stays asynchronous by construction: a P2P send task
+posts its ``isend`` and ends; gloo and NCCL move the bytes once the receiver has posted the matching
+receive, inside the receiver's ``recv`` task (where the cost model puts the transfer). A send that
+waited for its bytes to leave would wait for the receiver, and deadlock plans whose stages both
+send before they receive (gloo's send is a rendezvous too).
+
 A failing task aborts the step: the other lanes stop at their next wait and :meth:`run_step`
 re-raises the first error, naming the task. A wait longer than ``dep_timeout_s`` raises too
 (naming the task and the dependency), so a plan the runtime cannot follow never hangs silently.
@@ -57,13 +68,16 @@ class PlanTask:
     bytes: int = 0
     buffer: str | None = None
     peer_stage: int | None = None
+    start_us: float = 0.0
+    end_us: float = 0.0
 
     @classmethod
     def from_json(cls, t: Mapping, start_deps: tuple[str, ...] = ()) -> PlanTask:
         return cls(id=t["id"], kind=Kind(t["kind"]), lane=t["lane"], stage=int(t["stage"]), chunk=int(t["chunk"]),
                    mb=t.get("mb"), layer=t.get("layer"), deps=tuple(t.get("deps") or ()), start_deps=start_deps,
                    bucket=parse_task_id(t["id"]).bucket, bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
-                   peer_stage=t.get("peer_stage"))
+                   peer_stage=t.get("peer_stage"), start_us=float(t.get("start_us") or 0.0),
+                   end_us=float(t.get("end_us") or 0.0))
 
 
 def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:
@@ -130,6 +144,49 @@ def perturb_lanes(lanes: dict[str, list[PlanTask]], lane: str, index: int | None
             tasks[i], tasks[i + 1] = tasks[i + 1], tasks[i]
             return tasks[i + 1].id, tasks[i].id
     return None
+
+
+def serial_order(lanes: Mapping[str, list[PlanTask]], deps: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """One order of every task of a stage that keeps each lane's order and every same-stage
+    dependency (``deps`` plus each task's ``start_deps``), earliest planned start first.
+
+    This is the token order of a ``serial`` run ([Note: serial execution]): a linear extension of
+    the stage's precedence graph, ties broken by planned (start, end), then lane, then position.
+    Raises ValueError naming a task when the precedences form a cycle."""
+    import heapq
+
+    pos = {t.id: (li, i) for li, lane in enumerate(LANES) for i, t in enumerate(lanes.get(lane, []))}
+    task = {t.id: t for ts in lanes.values() for t in ts}
+    preds: dict[str, set[str]] = {tid: set() for tid in task}
+    for ts in lanes.values():
+        for a, b in zip(ts, ts[1:]):
+            preds[b.id].add(a.id)
+    for tid, t in task.items():
+        preds[tid].update(d for d in list(deps.get(tid, ())) + list(t.start_deps) if d in task)
+    succs: dict[str, list[str]] = {tid: [] for tid in task}
+    for tid, ps in preds.items():
+        for d in ps:
+            succs[d].append(tid)
+    left = {tid: len(ps) for tid, ps in preds.items()}
+
+    def key(tid: str) -> tuple:
+        t = task[tid]
+        return (t.start_us, t.end_us, *pos[tid], tid)
+
+    heap = [key(tid) for tid, n in left.items() if n == 0]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        tid = heapq.heappop(heap)[-1]
+        order.append(tid)
+        for s in succs[tid]:
+            left[s] -= 1
+            if left[s] == 0:
+                heapq.heappush(heap, key(s))
+    if len(order) != len(task):
+        stuck = min((tid for tid, n in left.items() if n), key=key)
+        raise ValueError(f"task {stuck}: its lane order and dependencies form a cycle; no serial order exists")
+    return order
 
 
 Handler = Callable[[PlanTask], None]
@@ -205,13 +262,14 @@ class Executor:
     (lane, index or None) swaps two tasks of that lane; ``"env"`` (default) reads
     ``K3SCHED_PERTURB``; None: no swap.
     ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
-    that the plan may leave implicit). ``nvtx``: push an NVTX range per task.
+    that the plan may leave implicit). ``nvtx``: push an NVTX range per task. ``serial``: one
+    task at a time on this stage ([Note: serial execution]).
     """
 
     def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
                  stage: int = 0, device=None, perturb: tuple[str, int | None] | str | None = "env",
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
-                 nvtx: bool = True) -> None:
+                 nvtx: bool = True, serial: bool = False) -> None:
         self.rank, self.stage = rank, stage
         self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
         if perturb == "env":
@@ -231,6 +289,12 @@ class Executor:
             if missing:
                 raise ValueError(f"task {tid}: dependency {missing[0]} is not a task of stage {stage}")
             self._deps[tid] = tuple(dict.fromkeys(local))
+        self.serial = serial
+        if serial:  # [Note: serial execution]: the token is one more dependency on the previous task
+            order = serial_order(self.lanes, self._deps)
+            for prev, tid in zip(order, order[1:]):
+                if prev not in self._deps[tid]:
+                    self._deps[tid] += (prev,)
         unknown = sorted({t.kind.value for t in self.tasks.values() if t.kind not in self.handlers})
         if unknown:
             raise ValueError(f"no handler for task kind(s) {', '.join(unknown)} (stage {stage})")

@@ -10,7 +10,8 @@ task kind to a handler (:meth:`StageRunner.handlers`):
   the upstream gradient itself, see [Note: shared.dx beside combine.bwd]);
 - act.send / grad.send -> ``isend`` on the pp group, waited at the end of the step (a send never
   blocks its lane, so a lane's later receive cannot deadlock behind it); act.recv / grad.recv ->
-  ``irecv`` + wait inside the task (a receive posted in plan order waits for its send);
+  ``irecv`` + wait inside the task (a receive posted in plan order waits for its send; gloo moves
+  the bytes once both are posted, so the transfer time lands in the receive);
 - grad.rs(.bN) -> all-reduce (sum) of bucket N of the layer's gradients: non-expert weights over
   the dense group (ep*dp replicas), expert weights over the expert group (dp replicas);
 - act.offload / act.onload / act.roffload / act.rstore / act.rserve / act.ronload ->
@@ -463,7 +464,8 @@ class StageRunner:
         if buf is None:
             raise RuntimeError(f"nothing to send: {'acts' if t.kind is Kind.FWD_SEND else 'grads'}[{idx}] is empty")
         buf = buf.contiguous()
-        work = dist.isend(buf, dst=self.groups.pp_rank(peer), group=self.groups.pp, tag=self._tag(key))
+        dst = self.groups.pp_rank(peer)
+        work = dist.isend(buf, dst=dst, group=self.groups.pp, tag=self._tag(key))
         with self._pending_lock:
             self._pending.append((work, buf))
         if t.kind is Kind.FWD_SEND:
@@ -476,7 +478,8 @@ class StageRunner:
         mb = self.mbs[t.mb]
         first, out = self._boundaries(t)
         buf = torch.empty(self.act_shape, dtype=self.args.torch_dtype, device=self.device)
-        dist.irecv(buf, src=self.groups.pp_rank(peer), group=self.groups.pp, tag=self._tag(key)).wait()
+        src = self.groups.pp_rank(peer)
+        dist.irecv(buf, src=src, group=self.groups.pp, tag=self._tag(key)).wait()
         if t.kind is Kind.FWD_RECV:
             mb.acts[first] = buf
         else:

@@ -161,3 +161,16 @@ def test_nsys_records_one_nvtx_range_per_task_on_the_lane_threads(tmp_path, capf
         for n, t in zip(table.name, table.tid):
             if int(t) in tid_of.values():
                 assert tid_of[planned[str(n)]] == int(t)
+
+
+def test_serial_run_is_serial_on_every_rank_and_trains_like_k3(tiny_run, tmp_path):
+    """The serial baseline runs one task at a time per rank (PP 2 x EP 2: sends wait for their
+    receipt), and computes what the co-schedule computes."""
+    from tests.test_runtime_executor import overlapping_pairs
+
+    assert run_command(TINY, [], 2, None, tmp_path, False, "serial", timeout_s=LIMIT_S, quiet=True) == 0
+    for rank in range(4):
+        trace = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
+        assert overlapping_pairs(trace) == [], f"rank {rank}"
+    k3 = json.loads((tiny_run / "summary.json").read_text())["losses"][:2]
+    assert json.loads((tmp_path / "summary.json").read_text())["losses"] == pytest.approx(k3, rel=1e-6, abs=0)
