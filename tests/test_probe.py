@@ -177,9 +177,13 @@ def test_emulated_links_hold_the_shaped_rate():
 
     hw = {"internode_gbps": 0.05, "nvlink_gbps": 1.0, "gpus_per_node": 1}  # 2 ranks on 2 nodes, 50 MB/s NICs
     tb = testbed.Testbed(hw, 2)  # not started: measure_collectives opens it around the launch only
-    res = measure_collectives(2, sizes=(64 * 1024, 1 << 20, 4 << 20), reps=2, min_s=0.0, timeout_s=120,
-                              testbed=tb, groups=collective_groups(2, 1))
-    f = res["fits"]["inter"]["sendrecv"]
-    assert 0.5 * 0.05 < f.gbps < 1.1 * 0.05, f  # the shaped rate holds (TCP/IP overhead below it)
+    res = measure_collectives(2, sizes=(1 << 20, 4 << 20), reps=2, min_s=0.0, timeout_s=120, testbed=tb,
+                              groups=collective_groups(2, 1))
+    top = {op: rows[-1]["busbw_gbps"] / 0.05 for op, rows in res["groups"]["inter"]["ops"].items()}  # 4 MiB
+    # The shaped rate caps every collective. all_reduce held it here (1.0x); all_to_all and the ring
+    # send/recv, which push both directions between the two ranks at once, got about half of it per
+    # direction (0.5-0.7x; a one-way send alone 1.0x): a property of the testbed's shaping.
+    assert all(0.4 < r < 1.15 for r in top.values()), top
+    assert top["all_reduce"] > 0.8, top
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"k3sched-{tb.tag}-" not in left and not tb.open
