@@ -124,6 +124,13 @@ class HardwareConfig(_Section):
     pcie_latency_us: float = Field(default=5.0, ge=0)
     launch_us: float = Field(default=5.0, ge=0)
     """Fixed per-task overhead (kernel launches, Python dispatch)."""
+    optim_ns_per_param: float | None = Field(default=None, gt=0)
+    """AdamW step time per parameter, ns (``k3sched probe`` measures it); default: 28 bytes per
+    parameter (fp32 param, grad, two moments read; param, moments written) at ``hbm_gbps``."""
+    host_cores: int = Field(default=0, ge=0)
+    """CPU cores the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
+    rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /
+    host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cost.py)."""
 
 
 class ScheduleConfig(_Section):

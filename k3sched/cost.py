@@ -9,10 +9,20 @@ causal attention core is QK^T plus AV over half the S x S score matrix per seque
 shared MLPs are SwiGLU (3 GEMMs of h x f); routed experts see T k tokens per rank on average
 (balanced routing: every rank receives what it sends). dX and dW of a GEMM each cost the forward.
 
-Communication: all-to-all bytes = T k h b per rank, of which (ep-1)/ep leave the rank, over NVLink
-when the EP group fits in a node, else over the NIC. DP reduce-scatter of a layer's gradient is a
-ring over the DP group (dense parameters over ep*dp ranks, expert parameters over dp). PP
-send/recv carries T h b. Offload / onload go over PCIe; remote offload over the P2P link.
+Communication ([Note: wire model], :class:`Wire`): all-to-all bytes = T k h b per rank, of which
+(ep-1)/ep leave the rank, over NVLink when the EP group fits in a node, else over the NIC; the
+dispatch first exchanges token counts (one more call). A layer's DP gradient reduction is costed
+as the runtime runs it: a ring all-reduce (2(n-1)/n of the bytes, 2(n-1) steps; dense parameters
+over ep*dp ranks, expert parameters over dp), a ring reduce-scatter under ``grad_offload``. A PP
+send only posts the transfer; its T h b bytes move in the matching receive (gloo and NCCL move
+them once both sides are posted). optim.run costs AdamW per parameter plus the all-reduce of
+the embedding / head gradients. Offload / onload go over PCIe; remote offload over the P2P link.
+
+[Note: CPU sharing] On the CPU runner a rank's lanes are threads and the ranks of one node share
+``hardware.host_cores`` cores: compute and local-copy tasks run ``ranks per node / host_cores``
+times slower than on one core of their own (a processor-sharing model that assumes every rank
+computes at once; pipeline bubbles make it pessimistic). 0 (the default) means one device per
+rank, as on GPUs. It is a model of the machine, the same for every config, never fitted to a run.
 
 A measured profile (YAML, see :func:`load_profile`) replaces the analytic duration of any kind:
 ``durations_us: {attn.fwd: 812.0, ...}`` (per layer and micro-batch), optionally
@@ -32,7 +42,7 @@ from pathlib import Path
 import yaml
 
 from .config import Config, ConfigError
-from .tasks import Kind
+from .tasks import LANE_OF, Kind
 
 _GEMM = {
     Kind.ATTN_FWD, Kind.ATTN_DX, Kind.ATTN_DW, Kind.ROUTER_FWD, Kind.ROUTER_BWD, Kind.SHARED_FWD,
@@ -43,12 +53,40 @@ _GEMM = {
 
 @dataclass
 class Profile:
-    """Measured per-kind durations (µs per task) and per-lane bandwidths (GB/s)."""
+    """Measured per-kind durations (µs per task, one core), per-lane bandwidths (GB/s), per-lane
+    latency (µs per call) and link efficiency (achieved / configured link rate)."""
 
     durations_us: dict[str, float] = field(default_factory=dict)
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     source: str = ""
     saved_bytes: dict[str, int | tuple[int, int]] = field(default_factory=dict)
+    latency_us: dict[str, float] = field(default_factory=dict)
+    link_efficiency: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Wire:
+    """[Note: wire model] What one communication task does on the wire: ``steps`` sequential
+    calls or ring steps, each paying the link latency once, and ``terms`` (bytes, link GB/s) that
+    move at the same time on different links (the slowest sets the time). ``nbytes``: bytes that
+    leave the rank."""
+
+    steps: int = 0
+    terms: tuple[tuple[float, float], ...] = ()
+    latency_us: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(b for b, _ in self.terms))
+
+    def __add__(self, other: "Wire") -> "Wire":
+        """Two calls one after the other on one link kind (bytes add up)."""
+        if not self.terms:
+            return other
+        if not other.terms:
+            return self
+        g = min(self.terms[0][1], other.terms[0][1])
+        return Wire(self.steps + other.steps, ((self.nbytes + other.nbytes, g),), max(self.latency_us, other.latency_us))
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -59,10 +97,10 @@ def load_profile(path: str | Path) -> Profile:
         raise ConfigError(f"schedule.profile: cannot read {p}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"schedule.profile: {p} must be a mapping with durations_us / bandwidth_gbps")
-    unknown = set(data) - {"durations_us", "bandwidth_gbps", "saved_bytes", "format", "source"}
+    keys = ("durations_us", "bandwidth_gbps", "latency_us", "link_efficiency", "saved_bytes", "format", "source")
+    unknown = set(data) - set(keys)
     if unknown:
-        raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: durations_us, "
-                          "bandwidth_gbps, saved_bytes, format, source")
+        raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: {', '.join(keys)}")
     dur = {str(k): float(v) for k, v in (data.get("durations_us") or {}).items()}
     for k in dur:
         try:
@@ -78,7 +116,9 @@ def load_profile(path: str | Path) -> Profile:
         except (ValueError, TypeError, IndexError):
             raise ConfigError(f"schedule.profile: saved_bytes: {k!r} must be a task kind with bytes N or [w, x] "
                               f"in {p}; got {v!r}") from None
-    return Profile(dur, bw, str(p), saved)
+    lat = {str(k): float(v) for k, v in (data.get("latency_us") or {}).items()}
+    eff = {str(k): float(v) for k, v in (data.get("link_efficiency") or {}).items()}
+    return Profile(dur, bw, str(p), saved, lat, eff)
 
 
 class CostModel:
@@ -104,10 +144,6 @@ class CostModel:
     def _link(self, intra: bool) -> tuple[float, float]:
         hw = self.cfg.hardware
         return (hw.nvlink_gbps, hw.nvlink_latency_us) if intra else (hw.internode_gbps, hw.internode_latency_us)
-
-    def _xfer_us(self, nbytes: float, link: tuple[float, float], lane: str) -> float:
-        gbps = self.profile.bandwidth_gbps.get(lane, link[0])
-        return link[1] + nbytes / (gbps * 1e3)  # GB/s -> bytes/µs
 
     # -- parameters ----------------------------------------------------------------------------
     def attn_params(self) -> int:
@@ -169,36 +205,72 @@ class CostModel:
         m, ep = self.cfg.model, self.cfg.parallel.ep
         return int(self.T * m.top_k * m.hidden * self.b * (ep - 1) / ep) if ep > 1 else 0
 
-    def a2a_us(self) -> float:
-        """Hierarchical all-to-all: the share of peers inside the node goes over NVLink while the
-        rest crosses the NIC at the same time; the slower of the two sets the time."""
-        m, ep, hw = self.cfg.model, self.cfg.parallel.ep, self.cfg.hardware
-        if ep == 1:
-            return 0.0
-        per_peer = self.T * m.top_k * m.hidden * self.b / ep
-        intra = min(ep, hw.gpus_per_node) - 1
-        inter = ep - 1 - intra
-        bw = self.profile.bandwidth_gbps
-        t_intra = hw.nvlink_latency_us + intra * per_peer / (bw.get("ep", hw.nvlink_gbps) * 1e3)
-        t_inter = (hw.internode_latency_us + inter * per_peer / (bw.get("ep", hw.internode_gbps) * 1e3)) if inter else 0.0
-        return max(t_intra, t_inter)
+    def a2a_us(self, kind: Kind = Kind.COMBINE_FWD) -> float:
+        """Duration of one EP all-to-all without the launch (:meth:`a2a_wire`)."""
+        return self.wire_us(self.a2a_wire(kind), "ep")
 
     def p2p_bytes(self) -> int:
         return self.T * self.cfg.model.hidden * self.b
 
     def grad_rs_us(self, layer: int, lane: str = "collective") -> tuple[float, int]:
-        """Ring reduce-scatter of one layer's gradient (dense over ep*dp, experts over dp)."""
+        """One layer's gradient reduction as the runtime executes it (dense over ep*dp, experts
+        over dp): (µs without launch, bytes leaving each rank). See :meth:`grad_wire`."""
+        w = self.grad_wire(layer)
+        return self.wire_us(w, lane), w.nbytes
+
+    def grad_wire(self, layer: int) -> Wire:
+        """A ring all-reduce (no grad_offload: every rank needs the whole gradient for its AdamW),
+        2(n-1)/n of the bytes leave each rank in 2(n-1) steps, as gloo's and NCCL's ring do; with
+        ``grad_offload`` a ring reduce-scatter into the chunk buffer, (n-1)/n in n-1 steps. The
+        dense and the expert reduction are two calls, one after the other."""
         p = self.cfg.parallel
         dense, expert = self.layer_params(layer)
-        gb = 4  # fp32 gradient reduction
-        t = 0.0
-        moved = 0
+        f = 1 if self.cfg.schedule.grad_offload else 2
+        w = Wire()
         for n, params, link in ((p.ep * p.dp, dense, self.dp_dense_link), (p.dp, expert, self.dp_expert_link)):
             if n > 1 and params:
-                b = params * gb * (n - 1) / n
-                moved += int(b)
-                t += self._xfer_us(b, link, lane) + (n - 2) * link[1]
-        return t, moved
+                nbytes = params * self.b * f * (n - 1) / n
+                w = w + Wire(steps=f * (n - 1), terms=((nbytes, link[0]),), latency_us=link[1])
+        return w
+
+    def a2a_wire(self, kind: Kind) -> Wire:
+        """Hierarchical all-to-all: the share of peers inside the node goes over NVLink while the
+        rest crosses the NIC at the same time (the slower sets the time). The dispatch (and its
+        recompute) first exchanges the per-expert token counts: one more call, no bytes to speak of."""
+        m, ep, hw = self.cfg.model, self.cfg.parallel.ep, self.cfg.hardware
+        if ep == 1:
+            return Wire()
+        per_peer = self.T * m.top_k * m.hidden * self.b / ep
+        intra = min(ep, hw.gpus_per_node) - 1
+        inter = ep - 1 - intra
+        terms = tuple(t for t in ((intra * per_peer, hw.nvlink_gbps), (inter * per_peer, hw.internode_gbps)) if t[0])
+        calls = 2 if kind in (Kind.DISPATCH_FWD, Kind.DISPATCH_RE) else 1
+        lat = hw.internode_latency_us if inter else hw.nvlink_latency_us
+        return Wire(steps=calls, terms=terms, latency_us=lat)
+
+    def wire(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0) -> Wire | None:
+        """What a communication task puts on the wire ([Note: wire model]); None for other kinds."""
+        if kind in (Kind.DISPATCH_FWD, Kind.COMBINE_FWD, Kind.COMBINE_BWD, Kind.DISPATCH_BWD, Kind.DISPATCH_RE):
+            return self.a2a_wire(kind)
+        if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
+            return Wire(steps=1, terms=((self.p2p_bytes(), self.pp_link[0]),), latency_us=self.pp_link[1])
+        if kind is Kind.GRAD_RS:
+            assert layer is not None
+            return self.grad_wire(layer)
+        if kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD):
+            return Wire(steps=2, terms=((nbytes, self.pp_link[0]),), latency_us=self.pp_link[1])
+        return None
+
+    def wire_us(self, w: Wire, lane: str) -> float:
+        """Time of ``w`` on ``lane``: steps x latency + the slowest term's bytes / bandwidth. A
+        measured profile's ``latency_us[lane]`` replaces the link latency, ``link_efficiency[lane]``
+        scales every link rate of the lane, ``bandwidth_gbps[lane]`` replaces the rate outright."""
+        prof = self.profile
+        lat = prof.latency_us.get(lane, w.latency_us)
+        eff = prof.link_efficiency.get(lane, 1.0)
+        fixed_bw = prof.bandwidth_gbps.get(lane)
+        t = max((b / ((fixed_bw or g * eff) * 1e3) for b, g in w.terms), default=0.0)
+        return w.steps * lat + t
 
     # -- activation memory (bytes saved for backward, per layer per micro-batch) -----------------
     def saved_bytes(self, kind: Kind) -> tuple[int, int]:
@@ -275,30 +347,68 @@ class CostModel:
         return weights + params * 4 + optim, 0
 
     # -- durations -----------------------------------------------------------------------------
+    def share(self, kind: Kind) -> float:
+        """[Note: CPU sharing] factor of a task of ``kind``: with ``hardware.host_cores`` set (lanes
+        are CPU threads), compute and local-copy tasks of the ranks of one node share that many
+        cores, so each takes ``ranks per node / host_cores`` times its one-core duration (at least 1).
+        Communication waits on the wire, not on a core."""
+        hw, p = self.cfg.hardware, self.cfg.parallel
+        if not hw.host_cores or LANE_OF[kind] not in ("compute", "offload_local"):
+            return 1.0
+        return max(1.0, min(p.world, hw.gpus_per_node) / hw.host_cores)
+
+    def optim_us(self, params: int, nonlayer_params: int) -> float:
+        """optim.run of a stage holding ``params`` parameters: AdamW over them (this rank's
+        expert slice included), plus the all-reduce of the ``nonlayer_params`` (embedding, head,
+        final norm) over the optim group (ep*dp ranks); with ``grad_offload`` the layers' AdamW
+        runs on the host fp32 shards (1/dp of them) and their parameters are all-gathered."""
+        hw, p = self.cfg.hardware, self.cfg.parallel
+        ns = hw.optim_ns_per_param or 28 / hw.hbm_gbps
+        layer = params - nonlayer_params
+        n = p.ep * p.dp
+        if self.cfg.schedule.grad_offload:
+            t = (nonlayer_params + layer / p.dp) * ns / 1e3
+            if p.dp > 1:
+                t += self.wire_us(Wire(steps=p.dp - 1, terms=((layer * self.b * (p.dp - 1) / p.dp,
+                                                               self.dp_dense_link[0]),),
+                                       latency_us=self.dp_dense_link[1]), "collective")
+        else:
+            t = params * ns / 1e3
+        if n > 1 and nonlayer_params:
+            t += self.wire_us(Wire(steps=2 * (n - 1), terms=((2 * nonlayer_params * self.b * (n - 1) / n,
+                                                               self.dp_dense_link[0]),),
+                                   latency_us=self.dp_dense_link[1]), "collective")
+        return self.share(Kind.OPTIM) * t
+
+    def stage_params(self, layers: list[int], embed: bool, head: bool) -> tuple[int, int]:
+        """(all parameters, non-layer parameters) a stage holds: its layers (this rank's expert
+        slice), the embedding and / or the head with the final norm."""
+        nonlayer = self.embed_params() * int(embed) + (self.embed_params() + self.cfg.model.hidden) * int(head)
+        return sum(sum(self.layer_params(L)) for L in layers) + nonlayer, nonlayer
+
     def duration_us(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0) -> float:
         """Duration of one task. ``nbytes`` is the payload for copy kinds."""
+        return self.share(kind) * self._one_core_us(kind, layer, nbytes)
+
+    def _one_core_us(self, kind: Kind, layer: int | None, nbytes: int) -> float:
         hw = self.cfg.hardware
         measured = self.profile.durations_us.get(kind.value)
         if measured is not None:
             return measured
         if kind in _GEMM:
             return hw.launch_us + self.flops(kind) / self._flops_per_us
-        if kind in (Kind.DISPATCH_FWD, Kind.COMBINE_FWD, Kind.COMBINE_BWD, Kind.DISPATCH_BWD, Kind.DISPATCH_RE):
-            return hw.launch_us + self.a2a_us()
-        if kind in (Kind.FWD_SEND, Kind.BWD_SEND):
-            return hw.launch_us + self._xfer_us(self.p2p_bytes(), self.pp_link, "collective")
-        if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
-            return hw.launch_us + self.pp_link[1]
-        if kind is Kind.GRAD_RS:
-            assert layer is not None
-            return hw.launch_us + self.grad_rs_us(layer)[0]
+        w = self.wire(kind, layer=layer, nbytes=nbytes)
+        if w is not None:
+            return hw.launch_us + self.wire_us(w, LANE_OF[kind])
+        if kind in (Kind.FWD_SEND, Kind.BWD_SEND):  # posts the send; the bytes move in the receive
+            return hw.launch_us
         if kind in (Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD):
             gbps = self.profile.bandwidth_gbps.get("offload_local", hw.pcie_gbps)
             return hw.launch_us + hw.pcie_latency_us + nbytes / (gbps * 1e3)
-        if kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD):
-            return hw.launch_us + self._xfer_us(nbytes, self.pp_link, "offload_remote")
+        if kind in (Kind.ACT_RSTORE, Kind.ACT_RSERVE):
+            return hw.launch_us
         if kind is Kind.GSHARD_ADD:
             return hw.launch_us + 3 * nbytes / (hw.hbm_gbps * 1e3)
-        if kind is Kind.OPTIM:
+        if kind is Kind.OPTIM:  # the stage's share is costed by the graph builder (optim_us)
             return hw.launch_us
         raise ValueError(f"no cost for task kind {kind.value}")

@@ -406,8 +406,11 @@ class _Builder:
             if self._rank[last_v] == s:
                 deps = deps + [format_task_id(s, Kind.HEAD_DW, mb=m, chunk=self._chunk[last_v]) for m in range(M)]
             tid = format_task_id(s, Kind.OPTIM)
+            mine = [u for u in range(self.nv) if self._rank[u] == s]
+            params, nonlayer = cost.stage_params([L for u in mine for L in self.layers[u]], embed=0 in mine,
+                                                 head=last_v in mine)
             self.tasks[tid] = Task(tid, Kind.OPTIM, LANE_OF[Kind.OPTIM], s, 0, None, None,
-                                   duration_us=self.dur(Kind.OPTIM), deps=deps)
+                                   duration_us=self.dur(Kind.OPTIM) + cost.optim_us(params, nonlayer), deps=deps)
             self.unit[tid] = (self.nv, "W", 1 << 30)
             self.topo[tid] = len(self.topo)
 

@@ -357,6 +357,18 @@ def measure_hbm(device: torch.device, knobs: Knobs | None = None) -> tuple[float
     return 2 * numel * 4 / t_copy / 1e9, 3 * numel * 4 / t_add / 1e9, numel * 4
 
 
+def measure_adamw(device: torch.device, knobs: Knobs | None = None, numel: int = 1 << 20) -> float:
+    """ns per parameter of one ``torch.optim.AdamW`` step (the runtime's optimizer) in one thread."""
+    knobs = knobs or Knobs()
+    p = torch.nn.Parameter(torch.randn(numel, device=device))
+    p.grad = torch.randn(numel, device=device)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    opt.step()  # allocates the moments
+    with _one_thread():
+        t = time_call(opt.step, sync=_sync_of(device), reps=knobs.reps, min_s=knobs.min_s)
+    return t * 1e9 / numel
+
+
 def measure_pcie(device: torch.device, knobs: Knobs | None = None) -> dict[str, Any]:
     """Offload copies at ``knobs.copy_sizes``; returns ``{"fit": Fit, "direction": str, "points":
     {direction: [(bytes, µs)]}, "how": str}`` (on CUDA the slower direction's fit)."""
@@ -680,6 +692,12 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
     rows.append(Row("hbm_gbps", f"{hbm:.4g} GB/s", f"copy_ of {hbm_bytes // MiB} MiB, 2 x size (read + write)"))
     rows.append(Row("  add_ cross-check", f"{add_gbps:.4g} GB/s", "in-place add, 3 x size (gshard.add's count)"))
 
+    adam_ns = measure_adamw(device, knobs)
+    rows.append(Row("optim_ns_per_param", f"{adam_ns:.3g} ns", "torch.optim.AdamW step of 1M fp32 parameters, "
+                    "1 thread"))
+    host_cores = 0 if device.type == "cuda" else (os.cpu_count() or 1)
+    rows.append(Row("host_cores", str(host_cores), "0 on CUDA (a device per rank); on CPU the cores the ranks share"))
+
     say("pcie: offload copies at several sizes")
     pc = measure_pcie(device, knobs)
     pfit: Fit = pc["fit"]
@@ -751,6 +769,7 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         "nvlink_gbps": _sig(intra[0]), "nvlink_latency_us": _sig(intra[1]),
         "internode_gbps": _sig(inter[0]), "internode_latency_us": _sig(inter[1]),
         "pcie_gbps": _sig(pfit.gbps), "pcie_latency_us": _sig(pfit.latency_us), "launch_us": _sig(launch),
+        "optim_ns_per_param": _sig(adam_ns), "host_cores": host_cores,
     }
     if device.type == "cpu":
         wire = ("the shaped veths cap the rate, but the bytes still move by CPU memcpy through the kernel's TCP "
@@ -777,6 +796,8 @@ _FIELD_HOW = {
     "pcie_gbps": "measured: offload copy, latency + bytes / bandwidth fit",
     "pcie_latency_us": "measured: intercept of the same fit",
     "launch_us": "measured: tiny matmul + executor overhead per task",
+    "optim_ns_per_param": "measured: AdamW step per parameter, 1 thread",
+    "host_cores": "os.cpu_count() on CPU (ranks' lanes share them), 0 on CUDA",
     "device_memory_gb": "not measured",
     "host_memory_gb": "not measured",
     "gpus_per_node": "not measured",
