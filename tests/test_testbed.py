@@ -171,6 +171,47 @@ def test_shaped_rates_hold():
     assert not set(ns) & set(_namespaces("k3sched-"))
 
 
+def _exchange(tb: Testbed, a: int, b: int, nbytes: int) -> tuple[float, float]:
+    """Bytes/s received by ``b`` and by ``a`` while ``a`` and ``b`` send each other ``nbytes``
+    at the same time (one TCP connection per direction)."""
+    rxs = {d: subprocess.Popen(tb.rank_prefix(d) + [sys.executable, "-c", _RECV, tb.addr(d), "1"],
+                               stdout=subprocess.PIPE, text=True) for d in (b, a)}
+    try:
+        for rx in rxs.values():
+            assert rx.stdout.readline().strip() == "ready"
+        txs = [subprocess.Popen(tb.rank_prefix(s) + [sys.executable, "-c", _SEND, tb.addr(d), str(nbytes),
+                                                     tb.addr(s)]) for s, d in ((a, b), (b, a))]
+        for t in txs:
+            assert t.wait(timeout=30) == 0
+        rates = []
+        for rx in rxs.values():
+            n, dt = rx.communicate(timeout=30)[0].split()
+            assert int(n) == nbytes
+            rates.append(int(n) / float(dt))
+    finally:
+        for rx in rxs.values():
+            if rx.poll() is None:
+                rx.kill()
+    return rates[0], rates[1]
+
+
+@needs_testbed
+@pytest.mark.slow
+def test_two_way_exchange_gets_the_rate_each_way():
+    """Full duplex: r0 -> r1 and r1 -> r0 at once over a 20 MB/s NIC get >= 0.85x of it each
+    (and no more than the rate): the reverse flow's ACKs do not queue behind shaped data."""
+    hw = {"internode_gbps": 0.02, "nvlink_gbps": 0.02, "gpus_per_node": 1}
+    t0 = time.perf_counter()
+    with Testbed(hw, 2) as tb:
+        fwd, back = _exchange(tb, 0, 1, 40_000_000)
+        ns = tb.namespaces()
+    print(f"two-way: 0 -> 1 {fwd / 1e6:.2f} MB/s, 1 -> 0 {back / 1e6:.2f} MB/s (20 each), "
+          f"{time.perf_counter() - t0:.1f} s")
+    for rate in (fwd, back):
+        assert 0.85 < rate / 20e6 < 1.1, (fwd, back)
+    assert not set(ns) & set(_namespaces("k3sched-"))
+
+
 @needs_testbed
 @pytest.mark.slow
 def test_training_run_on_testbed(tmp_path):
