@@ -7,7 +7,13 @@ k3sched.cost assumes: an EP group is ``ep`` consecutive ranks). The data replica
 
 Groups (``None`` where the group would have one rank):
   ep      ep lane          ranks with the same (pp, dp): EP dispatch / combine all-to-alls
-  pp      collective lane  ranks with the same (dp, ep): act/grad send and recv
+  pp      collective lane  ranks with the same (dp, ep): act.send / act.recv
+  pp_grad collective lane  the same ranks: grad.send / grad.recv. A communicator per direction of
+                           the pipeline: gloo moves a message only after the receiver's "ready"
+                           note arrives, and in one shared connection that note queues behind the
+                           receiver's own outgoing payload, so activations and gradients crossing
+                           in opposite directions would take turns instead of using both
+                           directions of the link ([Note: full-duplex all-to-all on gloo])
   dense   collective lane  ranks with the same pp (ep * dp of them): grad.rs of non-expert weights
   expert  collective lane  ranks with the same (pp, ep): grad.rs of expert weights (over dp)
   optim   compute lane     like ``dense``: optim.run reduces embed / head / final-norm gradients
@@ -68,6 +74,7 @@ class Groups:
     layout: Layout
     ep: object | None = None
     pp: object | None = None
+    pp_grad: object | None = None
     dense: object | None = None
     expert: object | None = None
     optim: object | None = None
@@ -86,6 +93,7 @@ def _members(lo: Layout) -> dict[str, list[list[int]]]:
     return {
         "ep": [[r(p, d, e) for e in range(lo.ep)] for p in range(lo.pp) for d in range(lo.dp)],
         "pp": [[r(p, d, e) for p in range(lo.pp)] for d in range(lo.dp) for e in range(lo.ep)],
+        "pp_grad": [[r(p, d, e) for p in range(lo.pp)] for d in range(lo.dp) for e in range(lo.ep)],
         "dense": [[r(p, d, e) for d in range(lo.dp) for e in range(lo.ep)] for p in range(lo.pp)],
         "expert": [[r(p, d, e) for d in range(lo.dp)] for p in range(lo.pp) for e in range(lo.ep)],
         "optim": [[r(p, d, e) for d in range(lo.dp) for e in range(lo.ep)] for p in range(lo.pp)],

@@ -8,7 +8,7 @@ task kind to a handler (:meth:`StageRunner.handlers`):
 
 - model sub-ops (attn.fwd ... expert.dw, embed/head) -> ``moe.MoEModel.run`` (``shared.dx`` reads
   the upstream gradient itself, see [Note: shared.dx beside combine.bwd]);
-- act.send / grad.send -> ``isend`` on the pp group, waited at the end of the step (a send never
+- act.send / grad.send -> ``isend`` on the pp group (gradients: pp_grad, [Note: rank layout]), waited at the end of the step (a send never
   blocks its lane, so a lane's later receive cannot deadlock behind it); act.recv / grad.recv ->
   ``irecv`` + wait inside the task (a receive posted in plan order waits for its send; gloo moves
   the bytes once both are posted, so the transfer time lands in the receive);
@@ -464,8 +464,8 @@ class StageRunner:
         if buf is None:
             raise RuntimeError(f"nothing to send: {'acts' if t.kind is Kind.FWD_SEND else 'grads'}[{idx}] is empty")
         buf = buf.contiguous()
-        dst = self.groups.pp_rank(peer)
-        work = dist.isend(buf, dst=dst, group=self.groups.pp, tag=self._tag(key))
+        group = self.groups.pp if t.kind is Kind.FWD_SEND else self.groups.pp_grad
+        work = dist.isend(buf, dst=self.groups.pp_rank(peer), group=group, tag=self._tag(key))
         with self._pending_lock:
             self._pending.append((work, buf))
         if t.kind is Kind.FWD_SEND:
@@ -478,8 +478,8 @@ class StageRunner:
         mb = self.mbs[t.mb]
         first, out = self._boundaries(t)
         buf = torch.empty(self.act_shape, dtype=self.args.torch_dtype, device=self.device)
-        src = self.groups.pp_rank(peer)
-        dist.irecv(buf, src=src, group=self.groups.pp, tag=self._tag(key)).wait()
+        group = self.groups.pp if t.kind is Kind.FWD_RECV else self.groups.pp_grad
+        dist.irecv(buf, src=self.groups.pp_rank(peer), group=group, tag=self._tag(key)).wait()
         if t.kind is Kind.FWD_RECV:
             mb.acts[first] = buf
         else:
