@@ -127,6 +127,10 @@ class HardwareConfig(_Section):
     optim_ns_per_param: float | None = Field(default=None, gt=0)
     """AdamW step time per parameter, ns (``k3sched probe`` measures it); default: 28 bytes per
     parameter (fp32 param, grad, two moments read; param, moments written) at ``hbm_gbps``."""
+    comm_cpu_ns_per_byte: float = Field(default=0.0, ge=0)
+    """CPU time a byte sent or received costs the rank (gloo threads, the kernel's TCP path) when
+    lanes are CPU threads (``host_cores`` set); compute that overlaps a transfer is slowed by it.
+    ``k3sched probe`` measures it; 0: transfers cost no CPU (NIC DMA, GPUs)."""
     host_cores: int = Field(default=0, ge=0)
     """CPU cores the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
     rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /

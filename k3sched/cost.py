@@ -62,6 +62,9 @@ class Profile:
     saved_bytes: dict[str, int | tuple[int, int]] = field(default_factory=dict)
     latency_us: dict[str, float] = field(default_factory=dict)
     link_efficiency: dict[str, float] = field(default_factory=dict)
+    overhead_us: dict[str, float] = field(default_factory=dict)
+    """Per communication kind: the fixed host-side cost (routing bookkeeping, permutes, buffers)
+    that replaces ``hardware.launch_us`` in its duration (the wire time comes on top)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ def load_profile(path: str | Path) -> Profile:
         raise ConfigError(f"schedule.profile: cannot read {p}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"schedule.profile: {p} must be a mapping with durations_us / bandwidth_gbps")
-    keys = ("durations_us", "bandwidth_gbps", "latency_us", "link_efficiency", "saved_bytes", "format", "source")
+    keys = ("durations_us", "bandwidth_gbps", "latency_us", "link_efficiency", "overhead_us", "saved_bytes", "format",
+            "source")
     unknown = set(data) - set(keys)
     if unknown:
         raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: {', '.join(keys)}")
@@ -118,7 +122,8 @@ def load_profile(path: str | Path) -> Profile:
                               f"in {p}; got {v!r}") from None
     lat = {str(k): float(v) for k, v in (data.get("latency_us") or {}).items()}
     eff = {str(k): float(v) for k, v in (data.get("link_efficiency") or {}).items()}
-    return Profile(dur, bw, str(p), saved, lat, eff)
+    over = {str(k): float(v) for k, v in (data.get("overhead_us") or {}).items()}
+    return Profile(dur, bw, str(p), saved, lat, eff, over)
 
 
 class CostModel:
@@ -141,6 +146,19 @@ class CostModel:
         self.pp_link = self._link(p.ep * p.dp * 2 <= gpn)
 
     # -- links -------------------------------------------------------------------------------
+    def shared_links(self) -> list[tuple[str, ...]]:
+        """[Note: shared links] Lanes whose traffic crosses the same NIC: the ``ep`` all-to-alls and
+        the ``collective`` lane's gradient reductions / PP transfers when both leave the node. They
+        share the NIC's time, so the planner gives them one resource (their transfers follow one
+        another, in the plan's order) and the runtime runs them in that order (a token per link,
+        as in [Note: serial execution]). Lanes over NVLink, or with nothing to send, share nothing."""
+        p, hw = self.cfg.parallel, self.cfg.hardware
+        nic = (hw.internode_gbps, hw.internode_latency_us)
+        ep = p.ep > 1 and self.ep_link == nic and p.ep > hw.gpus_per_node
+        coll = ((p.ep * p.dp > 1 and self.dp_dense_link == nic and p.ep * p.dp > hw.gpus_per_node)
+                or (p.pp > 1 and self.pp_link == nic))
+        return [("ep", "collective")] if ep and coll else []
+
     def _link(self, intra: bool) -> tuple[float, float]:
         hw = self.cfg.hardware
         return (hw.nvlink_gbps, hw.nvlink_latency_us) if intra else (hw.internode_gbps, hw.internode_latency_us)
@@ -357,6 +375,17 @@ class CostModel:
             return 1.0
         return max(1.0, min(p.world, hw.gpus_per_node) / hw.host_cores)
 
+    def overhead_us(self, kind: Kind) -> float:
+        """Fixed cost of a communication task besides its wire time: the profile's measured
+        ``overhead_us[kind]`` (``k3sched probe``'s operator profile), else ``hardware.launch_us``."""
+        return self.profile.overhead_us.get(kind.value, self.cfg.hardware.launch_us)
+
+    def comm_cpu_ns_per_byte(self) -> float:
+        """CPU time per byte a rank sends or receives, when lanes are CPU threads (``host_cores``
+        set); 0 otherwise ([Note: CPU cost of communication] in k3sched/planner.py)."""
+        hw = self.cfg.hardware
+        return hw.comm_cpu_ns_per_byte if hw.host_cores else 0.0
+
     def optim_us(self, params: int, nonlayer_params: int) -> float:
         """optim.run of a stage holding ``params`` parameters: AdamW over them (this rank's
         expert slice included), plus the all-reduce of the ``nonlayer_params`` (embedding, head,
@@ -399,7 +428,7 @@ class CostModel:
             return hw.launch_us + self.flops(kind) / self._flops_per_us
         w = self.wire(kind, layer=layer, nbytes=nbytes)
         if w is not None:
-            return hw.launch_us + self.wire_us(w, LANE_OF[kind])
+            return self.overhead_us(kind) + self.wire_us(w, LANE_OF[kind])
         if kind in (Kind.FWD_SEND, Kind.BWD_SEND):  # posts the send; the bytes move in the receive
             return hw.launch_us
         if kind in (Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD):

@@ -29,12 +29,13 @@ import heapq
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from . import schedules
 from .config import GiB, Config
+from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step
 from .simulator import DeadlockError, MemoryTimeline, memory_timeline
 from .tasks import LANES, Kind, Task, format_task_id
@@ -161,7 +162,11 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
     # Resource ids: communication and copy lanes before compute, so a compute decision at an
     # instant sees the transfers that start at that instant (gap-aware WGrad fill).
     nstages = g.cfg.parallel.pp
-    res = [st if serial else ((ln - 1) % nlanes) * nstages + st for st, ln in zip(stage_of, prep.lane)]
+    share = list(range(nlanes))  # lane -> the lane whose resource it uses ([Note: shared links])
+    for group in CostModel(g.cfg).shared_links():
+        for lane in group[1:]:
+            share[LANE_INDEX[lane]] = LANE_INDEX[group[0]]
+    res = [st if serial else ((share[ln] - 1) % nlanes) * nstages + st for st, ln in zip(stage_of, prep.lane)]
     lag = 0 if serial else wgrad_lag
     key = []
     for i in range(n):
@@ -572,6 +577,7 @@ class _Search:
 
     def __init__(self, cfg: Config, slots: dict, serial: bool):
         self.cfg, self.slots, self.serial = cfg, slots, serial
+        self.cost = CostModel(cfg)
         self.fast = not cfg.schedule.remote_offload and cfg.schedule.offload != "remote"
         offload = cfg.schedule.offload != "none"
         first = build_step(cfg, OffloadChoice(everything=offload and self.fast))
@@ -593,6 +599,12 @@ class _Search:
             g = build_step(self.cfg, chosen)
             prep, skip = _prepare(g, self.slots), frozenset()
         lane_orders = _list_schedule(g, prep, self.serial, s.wgrad_lag, la, skip)
+        if not self.serial and self.cost.comm_cpu_ns_per_byte():
+            for _ in range(2):  # [Note: CPU cost of communication]: a fixed point in two rounds
+                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost))
+                lane_orders = _list_schedule(g, busy, self.serial, s.wgrad_lag, la, skip)
+            for tid, d in zip(busy.ids, busy.dur):
+                g.tasks[tid].duration_us = d
         keep = [g.tasks[prep.ids[i]] for i in range(len(prep.ids)) if i not in skip]
         mem = _device_memory(g, keep)
         self.skip = skip
@@ -614,6 +626,45 @@ class _Search:
             g.topo.pop(tid, None)
             g.start_deps.pop(tid, None)
         return g
+
+
+def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel) -> list[float]:
+    """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
+    gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
+    sends or receives (``k3sched probe`` measures it). A compute task that overlaps a transfer
+    shares its core with that work, so it takes longer by the CPU time the overlapping transfers
+    spend during it (each transfer's CPU spread evenly over its planned span). Returns the
+    durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (the
+    tasks' start_us / end_us); the caller schedules again with them."""
+    ns = cost.comm_cpu_ns_per_byte()
+    p2p = cost.p2p_bytes()
+    dur = list(prep.dur)
+    tasks, ids = g.tasks, prep.ids
+    by_stage: dict[int, tuple[list[int], list[tuple[float, float, float]]]] = defaultdict(lambda: ([], []))
+    for i, tid in enumerate(ids):
+        if i in skip:
+            continue
+        t = tasks[tid]
+        comp, comm = by_stage[t.stage]
+        if t.lane == "compute":
+            comp.append(i)
+        elif t.lane in ("ep", "collective", "offload_remote") and t.end_us > t.start_us:
+            moved = 2 * t.bytes if t.lane == "ep" or t.kind is Kind.GRAD_RS else t.bytes
+            if t.kind in (Kind.FWD_RECV, Kind.BWD_RECV):
+                moved = p2p
+            if moved:
+                comm.append((t.start_us, t.end_us, min(1.0, moved * ns / 1e3 / (t.end_us - t.start_us))))
+    for comp, comm in by_stage.values():
+        if not comm:
+            continue
+        ms = np.array([c[0] for c in comm])
+        me = np.array([c[1] for c in comm])
+        rate = np.array([c[2] for c in comm])
+        for i in comp:
+            t = tasks[ids[i]]
+            ov = np.clip(np.minimum(me, t.end_us) - np.maximum(ms, t.start_us), 0.0, None)
+            dur[i] = prep.dur[i] + float(ov @ rate)
+    return dur
 
 
 def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], best_peak: list[int],

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cost import CostModel
 from .tasks import LANES, FWD_KINDS, Kind, Task, WGRAD_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,6 +65,7 @@ def plan_to_json(plan: "Plan") -> dict:
         "strategy": plan.strategy,
         "pipeline": plan.pipeline,
         "lanes": list(LANES),
+        "shared_links": [list(g) for g in CostModel(plan.cfg).shared_links()],
         "backbone": {str(r): [None if x is None else str(x) for x in slots] for r, slots in plan.backbone.items()},
         "stages": stages,
         "metrics": _jsonable(plan.metrics),

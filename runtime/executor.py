@@ -263,13 +263,14 @@ class Executor:
     ``K3SCHED_PERTURB``; None: no swap.
     ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
     that the plan may leave implicit). ``nvtx``: push an NVTX range per task. ``serial``: one
-    task at a time on this stage ([Note: serial execution]).
+    task at a time on this stage ([Note: serial execution]). ``shared_links``: groups of lanes whose
+    tasks run one at a time in planned order (plan.json ``shared_links``).
     """
 
     def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
                  stage: int = 0, device=None, perturb: tuple[str, int | None] | str | None = "env",
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
-                 nvtx: bool = True, serial: bool = False) -> None:
+                 nvtx: bool = True, serial: bool = False, shared_links: list | tuple = ()) -> None:
         self.rank, self.stage = rank, stage
         self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
         if perturb == "env":
@@ -290,8 +291,11 @@ class Executor:
                 raise ValueError(f"task {tid}: dependency {missing[0]} is not a task of stage {stage}")
             self._deps[tid] = tuple(dict.fromkeys(local))
         self.serial = serial
-        if serial:  # [Note: serial execution]: the token is one more dependency on the previous task
-            order = serial_order(self.lanes, self._deps)
+        # [Note: serial execution]: the token is one more dependency on the previous task; lanes that
+        # share a link ([Note: shared links] in k3sched/cost.py) pass a token among themselves
+        groups = [tuple(LANES)] if serial else [tuple(g) for g in shared_links]
+        for group in groups:
+            order = serial_order({lane: self.lanes[lane] for lane in group}, self._deps)
             for prev, tid in zip(order, order[1:]):
                 if prev not in self._deps[tid]:
                     self._deps[tid] += (prev,)

@@ -40,7 +40,8 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
     runner.bind_plan(lanes)
     run = LocalRun(doc)
     with Executor(lanes, runner.handlers(), perturb=perturb, extra_deps=runner.extra_deps(lanes),
-                  dep_timeout_s=60.0, serial=doc["strategy"] == "serial") as ex:
+                  dep_timeout_s=60.0, serial=doc["strategy"] == "serial",
+                  shared_links=doc.get("shared_links", ())) as ex:
         for step in range(steps):
             runner.capture_grads = capture_grads and step == 0
             runner.begin_step(step)

@@ -183,7 +183,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     verify_remote_orders(groups, lanes, stage)
     ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device, perturb=None,
-                  extra_deps=runner.extra_deps(lanes), dep_timeout_s=args.timeout, serial=doc["strategy"] == "serial")
+                  extra_deps=runner.extra_deps(lanes), dep_timeout_s=args.timeout, serial=doc["strategy"] == "serial",
+                  shared_links=doc.get("shared_links", ()))
     ex.perturbed = perturbed
     M, R = p.microbatches, p.ep * p.dp
     tokens_per_step = M * R * cfg.model.micro_batch_size * cfg.model.seq_len
