@@ -67,8 +67,9 @@ def deepspeed_step_s(steps: int, out: Path) -> float:
     return statistics.median(times[1:] or times)
 
 
-def ds_worker(out: Path, steps: int) -> None:
-    """One rank of the DeepSpeed-MoE model: same shapes as the tiny config (pp 1, ep 2)."""
+def ds_worker(out: Path, steps: int, overrides: list[str] | None = None) -> None:
+    """One rank of the DeepSpeed-MoE model: same shapes as the tiny config (pp 1, ep 2; ``overrides``
+    as ``--set`` takes them, on top of EP2)."""
     import logging
     from datetime import timedelta
 
@@ -86,7 +87,7 @@ def ds_worker(out: Path, steps: int) -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = load_config(TINY, EP2)
+    cfg = load_config(TINY, EP2 + list(overrides or []))
     m = cfg.model
     D, H = m.hidden, m.heads
     torch.manual_seed(0)
@@ -178,9 +179,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ds-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.ds_worker is not None:
-        ds_worker(a.ds_worker, a.steps)
+        ds_worker(a.ds_worker, a.steps, a.overrides)
         return
     import torch
 

@@ -369,6 +369,85 @@ def measure_adamw(device: torch.device, knobs: Knobs | None = None, numel: int =
     return t * 1e9 / numel
 
 
+def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
+    """[Note: operator profile] Median duration (µs, one core, one rank) of each compute task kind
+    of the config's model at its shapes: an in-process step of the same model with pp = ep = dp = 1
+    (no communication, no other rank), run serially, steps after the first. The cost model's
+    FLOP count covers GEMMs only; norms, softmax, routing (top-k, sorting, index ops) and autograd
+    bookkeeping are what make a CPU task cost 2-20x its GEMM time, and they are measured here, not
+    guessed. The EP kinds at ep 1 move nothing: their time is the host-side work of a dispatch or
+    combine (routing bookkeeping, permutes), the profile's ``overhead_us``. Not measured: anything of the target layout (ranks, links); that is what
+    ``k3sched calibrate`` fits from a run."""
+    from k3sched.config import config_from_dict
+    from k3sched.tasks import LANE_OF, Kind, parse_task_id
+
+    from .local import local_run
+
+    data = cfg.to_dict()
+    data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": None,
+                        "layer_split": "even"}
+    data["schedule"] = {**data["schedule"], "pipeline": "1f1b", "offload": "none", "profile": None,
+                        "device_memory_budget": 1 << 20, "grad_offload": False, "remote_offload": False}
+    one = config_from_dict(data)
+    with _one_thread():
+        run = local_run(one, steps, strategy="serial")
+    spans: dict[str, list[float]] = {}
+    for trace in run.traces[1:] or run.traces:
+        for e in trace["traceEvents"]:
+            if e.get("ph") == "X":
+                kind = parse_task_id(e["name"]).kind
+                if (LANE_OF[kind] == "compute" and kind is not Kind.OPTIM) or LANE_OF[kind] == "ep":
+                    spans.setdefault(kind.value, []).append(float(e["dur"]))
+    return {k: _sig(statistics.median(v)) for k, v in sorted(spans.items())}
+
+
+def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir: str | Path | None = None
+                           ) -> dict[str, float]:
+    """:func:`measure_ops` in ``copies`` processes at once (the ranks that share this node's
+    cores in a run: measured alone, a task runs faster than beside another rank's compute, e.g. on
+    SMT siblings or a shared memory bus); per kind, the median over the copies."""
+    if copies <= 1:
+        return measure_ops(cfg)
+    d = Path(work_dir or tempfile.mkdtemp(prefix="k3sched_ops_"))
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "ops_config.json").write_text(json.dumps(cfg.to_dict()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")] if p)}
+    procs = [subprocess.Popen([sys.executable, "-m", "runtime.probe", "ops", str(d / "ops_config.json"),
+                               str(d / f"ops_{i}.json")], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i in range(copies)]
+    try:
+        for pr in procs:
+            _, err = pr.communicate(timeout=timeout_s)
+            if pr.returncode != 0:
+                raise ProbeError(f"operator profile failed: {err.strip().splitlines()[-1] if err.strip() else pr.returncode}")
+    except subprocess.TimeoutExpired:
+        raise ProbeError(f"operator profile did not finish within {timeout_s:.0f} s") from None
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    runs = [json.loads((d / f"ops_{i}.json").read_text()) for i in range(copies)]
+    return {k: _sig(statistics.median(r[k] for r in runs)) for k in runs[0]}
+
+
+def write_ops_profile(ops_us: dict[str, float], path: str | Path) -> Path:
+    """The operator profile as a ``schedule.profile`` YAML (``durations_us``)."""
+    import yaml
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    from k3sched.tasks import LANE_OF, Kind
+
+    compute = {k: v for k, v in ops_us.items() if LANE_OF[Kind(k)] == "compute"}
+    overhead = {k: v for k, v in ops_us.items() if LANE_OF[Kind(k)] != "compute"}
+    p.write_text("# k3sched probe: operator profile ([Note: operator profile] in runtime/probe.py), µs per task "
+                 "on one core;\n# overhead_us: the EP tasks' host-side work at ep 1 (the wire time comes on top)\n"
+                 + yaml.safe_dump({"format": "k3sched.profile/1", "source": "k3sched probe", "durations_us": compute,
+                                   "overhead_us": overhead}, sort_keys=False))
+    return p
+
+
 def measure_pcie(device: torch.device, knobs: Knobs | None = None) -> dict[str, Any]:
     """Offload copies at ``knobs.copy_sizes``; returns ``{"fit": Fit, "direction": str, "points":
     {direction: [(bytes, µs)]}, "how": str}`` (on CUDA the slower direction's fit)."""
@@ -506,6 +585,8 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
                     device: torch.device) -> dict[str, list[dict]]:
     import torch.distributed as dist
 
+    from moe.comm import all_to_all_rows
+
     n, me = len(ranks), ranks.index(rank)
     nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
     sync = _sync_of(device)
@@ -516,16 +597,17 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
             numel = max(n, size // 4 // n * n)
             x = torch.zeros(numel, dtype=torch.float32, device=device)
             y = torch.empty_like(x)
-            if op == "all_to_all":
+            if op == "all_to_all":  # as the runtime's EP lane runs it (full duplex on gloo)
                 def call(x=x, y=y):
-                    dist.all_to_all_single(y, x, group=group)
+                    all_to_all_rows(y, x, [numel // n] * n, [numel // n] * n, group)
             elif op == "all_reduce":
                 def call(x=x):
                     dist.all_reduce(x, group=group)
             else:
                 def call(x=x, y=y):
-                    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
-                                                       dist.P2POp(dist.irecv, y, prv, group)]):
+                    # receive posted first: full duplex on gloo ([Note: full-duplex all-to-all on gloo])
+                    for req in dist.batch_isend_irecv([dist.P2POp(dist.irecv, y, prv, group),
+                                                       dist.P2POp(dist.isend, x, nxt, group)]):
                         req.wait()
             call()
             call()
@@ -536,13 +618,14 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
             one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)  # NCCL: on the GPU
             dist.all_reduce(one, op=dist.ReduceOp.MAX, group=group)  # every rank loops the same count
             iters = int(min(1000, max(1, math.ceil(min_s / max(one.item(), 1e-9)))))
-            samples = []
+            samples, cpu = [], []
             for _ in range(reps):
                 dist.barrier(group=group)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(iters):
                     call()
                 sync()
+                cpu.append((time.process_time() - c0) / iters)
                 dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank
                 samples.append(dt.item())
@@ -550,7 +633,7 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
             nbytes = numel * 4
             rows.append({"bytes": nbytes, "time_us": t * 1e6, "algbw_gbps": nbytes / t / 1e9,
                          "busbw_gbps": nbytes / t / 1e9 * bus_factor(op, n), "iters": iters,
-                         "samples_us": [s * 1e6 for s in samples]})
+                         "samples_us": [s * 1e6 for s in samples], "cpu_us": statistics.median(cpu) * 1e6})
         out[op] = rows
     return out
 
@@ -634,6 +717,8 @@ class ProbeResult:
     nproc: int
     emulated: bool
     notes: list[str] = field(default_factory=list)
+    ops_us: dict[str, float] = field(default_factory=dict)
+    """:func:`measure_ops` (with a config): µs per compute task kind, one core."""
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -698,6 +783,14 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
     host_cores = 0 if device.type == "cuda" else (os.cpu_count() or 1)
     rows.append(Row("host_cores", str(host_cores), "0 on CUDA (a device per rank); on CPU the cores the ranks share"))
 
+    ops: dict[str, float] = {}
+    if cfg is not None:
+        say("operators: one serial in-process step of the model at its shapes")
+        copies = max(1, min(nproc, os.cpu_count() or 1)) if device.type == "cpu" else 1
+        ops = measure_ops_concurrent(cfg, copies, timeout_s, work_dir)
+        rows.append(Row("operator profile", f"{len(ops)} kinds", f"one rank, pp=ep=dp=1, serial, {copies} copies at "
+                        "once, median µs per task: " + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))
+
     say("pcie: offload copies at several sizes")
     pc = measure_pcie(device, knobs)
     pfit: Fit = pc["fit"]
@@ -747,6 +840,9 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
                                     f"{got / shaped * 100:.0f}%"))
         notes.append("testbed: link latency is not emulated (no netem); the latencies are the per-call cost of "
                      "gloo over TCP through the namespaces' veths")
+    cpu_ns = comm_cpu_ns_per_byte(coll) if device.type == "cpu" else 0.0
+    rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", "process CPU time of rank 0 during its largest "
+                    "all_to_alls / bytes it sent and received (gloo threads, kernel TCP); 0 on CUDA"))
     rows.append(Row("nvlink_gbps", f"{intra[0]:.4g} GB/s", how))
     rows.append(Row("nvlink_latency_us", f"{intra[1]:.3g} µs", how))
     rows.append(Row("internode_gbps", f"{inter[0]:.4g} GB/s", ihow))
@@ -769,14 +865,26 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         "nvlink_gbps": _sig(intra[0]), "nvlink_latency_us": _sig(intra[1]),
         "internode_gbps": _sig(inter[0]), "internode_latency_us": _sig(inter[1]),
         "pcie_gbps": _sig(pfit.gbps), "pcie_latency_us": _sig(pfit.latency_us), "launch_us": _sig(launch),
-        "optim_ns_per_param": _sig(adam_ns), "host_cores": host_cores,
+        "optim_ns_per_param": _sig(adam_ns), "host_cores": host_cores, "comm_cpu_ns_per_byte": _sig(cpu_ns),
     }
     if device.type == "cpu":
         wire = ("the shaped veths cap the rate, but the bytes still move by CPU memcpy through the kernel's TCP "
                 "stack" if testbed is not None else "loopback bandwidth is memcpy through the kernel's TCP stack, "
                 "not a wire")
         notes.append(f"CPU: the {nproc} ranks share {os.cpu_count()} core(s); {wire}")
-    return ProbeResult(hardware, rows, coll, gemms, device.type, nproc, testbed is not None, notes)
+    return ProbeResult(hardware, rows, coll, gemms, device.type, nproc, testbed is not None, notes, ops)
+
+
+def comm_cpu_ns_per_byte(coll: dict) -> float:
+    """CPU ns per byte a rank sends or receives, from rank 0's CPU time in the two largest
+    all_to_all sizes of the first measured group ((n-1)/n of the bytes leave, as many arrive)."""
+    for group in coll.get("groups", {}).values():
+        n = len(group["ranks"])
+        rows = sorted(group["ops"].get("all_to_all", []), key=lambda r: r["bytes"])[-2:]
+        vals = [r["cpu_us"] * 1e3 / (2 * r["bytes"] * (n - 1) / n) for r in rows if r.get("cpu_us") and n > 1]
+        if vals:
+            return statistics.median(vals)
+    return 0.0
 
 
 def _size(n: int) -> str:
@@ -798,6 +906,7 @@ _FIELD_HOW = {
     "launch_us": "measured: tiny matmul + executor overhead per task",
     "optim_ns_per_param": "measured: AdamW step per parameter, 1 thread",
     "host_cores": "os.cpu_count() on CPU (ranks' lanes share them), 0 on CUDA",
+    "comm_cpu_ns_per_byte": "measured: CPU time per byte sent + received in the largest all_to_alls",
     "device_memory_gb": "not measured",
     "host_memory_gb": "not measured",
     "gpus_per_node": "not measured",
@@ -868,8 +977,13 @@ def hardware_yaml(result: ProbeResult, config_path: str | Path | None = None,
 
 def write_hardware(result: ProbeResult, path: str | Path, config_path: str | Path | None = None,
                    overrides: Sequence[str] | None = None) -> Path:
-    """Write :func:`hardware_yaml` to ``path`` (parent folders created)."""
+    """Write :func:`hardware_yaml` to ``path`` (parent folders created). With a config and an
+    operator profile, the profile goes to ``PATH.ops.yaml`` and the config's ``schedule.profile``
+    names it."""
     p = Path(path)
+    if config_path is not None and result.ops_us:
+        ops = write_ops_profile(result.ops_us, p.with_name(p.stem + ".ops.yaml"))
+        overrides = list(overrides or []) + [f"schedule.profile={ops.resolve()}"]
     text = hardware_yaml(result, config_path, overrides)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
@@ -886,8 +1000,17 @@ def result_json(result: ProbeResult) -> dict[str, Any]:
             "device": result.device, "nproc": result.nproc, "emulated": result.emulated, "notes": result.notes}
 
 
+def _ops_main(config_json: str, out: str) -> None:
+    from k3sched.config import config_from_dict
+
+    torch.set_num_threads(1)
+    Path(out).write_text(json.dumps(measure_ops(config_from_dict(json.loads(Path(config_json).read_text())))))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+    if len(sys.argv) == 4 and sys.argv[1] == "ops":
+        _ops_main(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker_main(sys.argv[2:])
     else:
         print("usage: python -m runtime.probe worker --out DIR --sizes N,N,... (started by torchrun; "

@@ -79,7 +79,7 @@ def _fake_result(nproc: int = 2):
     hw = {"name": "probe cpu-2core", "peak_tflops": 0.07, "mfu": 1.0, "hbm_gbps": 15.0, "device_memory_gb": 0.25,
           "host_memory_gb": 4.0, "gpus_per_node": 4, "nvlink_gbps": 0.9, "nvlink_latency_us": 300.0,
           "internode_gbps": 0.9, "internode_latency_us": 300.0, "pcie_gbps": 20.0, "pcie_latency_us": 1.5,
-          "launch_us": 15.0, "optim_ns_per_param": 7.5, "host_cores": 2}
+          "launch_us": 15.0, "optim_ns_per_param": 7.5, "host_cores": 2, "comm_cpu_ns_per_byte": 3.0}
     coll = {"groups": {}, "fits": {"loopback": {"sendrecv": Fit(300.0, 0.9, 0.05, 4)}}}
     return ProbeResult(hw, [Row("x", "1", "y")], coll, [], "cpu", nproc, False, ["a note"])
 

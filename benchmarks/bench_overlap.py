@@ -1,0 +1,204 @@
+"""Overlap on shaped links: does the five-lane co-schedule buy the time the planner predicts?
+
+Measured side by side in one run, on the shaped-link testbed (``runtime/testbed.py``: one network
+namespace per rank, each rank's NIC rate-limited with tc to ``hardware.internode_gbps``; every
+rank its own emulated node), for an EP-bound config (pp 1 x ep 2: all-to-alls) and a PP-bound
+config (pp 2 x ep 1: activation / gradient send-recv), each at three link rates chosen so that
+the planned communication : compute time per rank is about 0.5, 1 and 2:
+
+- k3 (the co-schedule) and serial (one task at a time per rank, [Note: serial execution] in
+  runtime/executor.py), both executed by the runtime; for the EP-bound config also the DeepSpeed-MoE
+  model of ``bench_runtime.py`` (plain autograd, same shapes, same shaped links);
+- predicted and measured step time, k3 / serial predicted vs measured, planned vs measured
+  comm/compute overlap of the k3 run (``traces.validate``: share of communication-lane time that
+  overlaps compute, stage 0 / rank 0).
+
+Predictions are uncalibrated: compute, launch, AdamW and copy rates come from ``k3sched probe``
+run once at the start (no testbed), the links from the shaped rates and the probe's per-call
+latency inside the testbed. Nothing is fitted to these runs.
+
+Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 4] [--quick] [--out DIR]``
+(root, ip and tc needed; about 10 minutes on 2 cores, ``--quick``: one rate per config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+TINY = REPO / "configs" / "tiny-cpu.yaml"
+MODEL = ["model.hidden=256", "model.expert_hidden=512", "model.dense_hidden=1024", "model.seq_len=128",
+         "model.micro_batch_size=4", "parallel.microbatches=4", "hardware.gpus_per_node=1", "schedule.offload=none"]
+CONFIGS = {
+    "ep-bound (pp 1 x ep 2)": ["parallel.pp=1", "parallel.ep=2"],
+    "pp-bound (pp 2 x ep 1)": ["parallel.pp=2", "parallel.ep=1"],
+}
+RATIOS = (0.5, 1.0, 2.0)
+PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param",
+          "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte
+
+
+def probe_hardware(work: Path) -> dict:
+    """Compute-side numbers of this machine and the model's operator profile (``k3sched probe``,
+    no testbed; [Note: operator profile] in runtime/probe.py), and the per-call latency of gloo
+    inside the testbed (two ranks, one per emulated node)."""
+    from k3sched.config import load_config
+    from runtime.probe import probe, write_ops_profile
+    from runtime.testbed import Testbed
+
+    cfg = load_config(TINY, MODEL + list(CONFIGS.values())[0])
+    res = probe(cfg, nproc=2, quick=True, work_dir=work / "probe")
+    out = {f"hardware.{k}": res.hardware[k] for k in PROBED}
+    out["schedule.profile"] = str(write_ops_profile(res.ops_us, work / "ops.yaml"))
+    tb = Testbed(cfg.hardware, 2, internode_gbps=0.05, gpus_per_node=1)
+    shaped = probe(None, nproc=2, quick=True, testbed=tb, work_dir=work / "probe_tb").hardware
+    out["hardware.internode_latency_us"] = shaped["internode_latency_us"]
+    out["hardware.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
+    return out
+
+
+def overrides_for(base: list[str], hw: dict, gbps: float) -> list[str]:
+    return base + MODEL + [f"{k}={v}" for k, v in hw.items()] + [f"hardware.internode_gbps={gbps:.6g}"]
+
+
+def lane_busy_us(plan, stage: int = 0) -> tuple[float, float]:
+    """(compute, communication) busy time of one stage in a plan (sum of task durations)."""
+    comp = comm = 0.0
+    for t in plan.tasks.values():
+        if t.stage == stage:
+            if t.lane == "compute":
+                comp += t.duration_us
+            elif t.lane in ("ep", "collective"):
+                comm += t.duration_us
+    return comp, comm
+
+
+def rate_for_ratio(base: list[str], hw: dict, ratio: float) -> float | None:
+    """Link rate (GB/s) at which the serial plan's comm : compute time of stage 0 is ``ratio``:
+    comm(r) = A + B / r, fitted from two rates."""
+    from k3sched.config import load_config
+    from k3sched.planner import plan
+
+    pts = []
+    for r in (0.05, 0.1):
+        comp, comm = lane_busy_us(plan(load_config(TINY, overrides_for(base, hw, r)), "serial"))
+        pts.append((r, comp, comm))
+    (r1, comp, c1), (r2, _, c2) = pts
+    B = (c1 - c2) / (1 / r1 - 1 / r2)
+    A = c1 - B / r1
+    need = ratio * comp - A
+    return B / need if need > 0 and B > 0 else None
+
+
+def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -> dict:
+    from runtime.launch import run_command
+
+    rc = run_command(TINY, overrides, steps, None, out, False, strategy, timeout_s=900, quiet=True, emulate_links=True)
+    if rc != 0:
+        raise SystemExit(f"bench_overlap: {name} {strategy} failed with exit {rc}")
+    s = json.loads((out / "summary.json").read_text())
+    return {"measured_us": s["measured_step_time_us"], "predicted_us": s["predicted_step_time_us"],
+            "losses": s["losses"]}
+
+
+def overlap(out: Path) -> tuple[float | None, float | None]:
+    """(planned, measured) comm/compute overlap of stage 0 / rank 0 from the validation report."""
+    from traces.chrome import read_trace
+    from traces.events import EventTable
+    from traces.validate import load_plan, validate
+
+    plan = load_plan(out / "plan.json")
+    ev = EventTable.concat([read_trace(p) for p in sorted(out.glob("trace_rank*.json"))])
+    m = validate(plan, ev, cross_rank_clocks=True).metrics
+    return m["planned_by_stage"][0]["comm_overlap_ratio"], m["measured_by_rank"][0]["comm_overlap_ratio"]
+
+
+def deepspeed(overrides: list[str], steps: int, out: Path) -> float:
+    """Median step (µs) of bench_runtime's DeepSpeed-MoE model on the same shaped links."""
+    import os
+    import subprocess
+
+    from k3sched.config import load_config
+    from runtime.launch import kill_group
+    from runtime.testbed import Testbed
+
+    cfg = load_config(TINY, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, str(REPO / "benchmarks" / "bench_runtime.py"), "--ds-worker", str(out), "--steps",
+            str(steps)] + [a for o in overrides for a in ("--set", o)]
+    with Testbed(cfg.hardware, cfg.parallel.world) as tb:
+        env = {**os.environ, **tb.env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+               "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        proc = subprocess.Popen(tb.torchrun_command(argv), env=env, cwd=REPO, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=900)
+        finally:
+            kill_group(proc)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_overlap: deepspeed run failed (exit {proc.returncode}): {err[-2000:]}")
+    times = json.loads((out / "ds_summary.json").read_text())["step_time_s"]
+    return statistics.median(times[1:] or times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="one link rate (comm:compute 1) per config")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    from runtime.testbed import testbed_available
+
+    why = testbed_available()
+    if why:
+        raise SystemExit(f"bench_overlap: the shaped-link testbed is not available: {why}")
+    import torch
+
+    torch.set_num_threads(1)
+    base = a.out or Path(tempfile.mkdtemp(prefix="bench_overlap_"))
+    base.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    hw = probe_hardware(base)
+    print("bench_overlap: probed " + ", ".join(f"{k.split('.')[1]} {v}" for k, v in hw.items()), flush=True)
+    rows = []
+    for cname, cbase in CONFIGS.items():
+        for ratio in ((1.0,) if a.quick else RATIOS):
+            gbps = rate_for_ratio(cbase, hw, ratio)
+            if gbps is None:
+                print(f"  {cname}: comm:compute {ratio} not reachable (latency alone exceeds it); skipped")
+                continue
+            ov = overrides_for(cbase, hw, gbps)
+            tag = f"{cname.split()[0]}_{ratio:g}"
+            r = {"config": cname, "ratio": ratio, "gbps": gbps}
+            for strategy in ("k3", "serial"):
+                r[strategy] = run(cname, ov, strategy, a.steps, base / tag / strategy)
+            r["overlap"] = overlap(base / tag / "k3")
+            if cname.startswith("ep") and not a.no_deepspeed:
+                r["deepspeed_us"] = deepspeed(ov, a.steps, base / tag / "deepspeed")
+            rows.append(r)
+            k3, se = r["k3"], r["serial"]
+            print(f"  {cname} link {gbps * 1e3:.1f} MB/s (comm:compute {ratio:g}): "
+                  f"k3 {k3['measured_us'] / 1e3:.1f} ms (pred {k3['predicted_us'] / 1e3:.1f}, x{k3['measured_us'] / k3['predicted_us']:.2f}) | "
+                  f"serial {se['measured_us'] / 1e3:.1f} ms (pred {se['predicted_us'] / 1e3:.1f}, x{se['measured_us'] / se['predicted_us']:.2f}) | "
+                  f"k3/serial measured {k3['measured_us'] / se['measured_us']:.3f} predicted {k3['predicted_us'] / se['predicted_us']:.3f}"
+                  + (f" | DeepSpeed {r['deepspeed_us'] / 1e3:.1f} ms, k3/DeepSpeed {k3['measured_us'] / r['deepspeed_us']:.3f}"
+                     if "deepspeed_us" in r else "")
+                  + f" | overlap planned {_pct(r['overlap'][0])} measured {_pct(r['overlap'][1])}", flush=True)
+    (base / "bench_overlap.json").write_text(json.dumps({"hardware": hw, "rows": rows}, indent=1))
+    print(f"  (outputs under {base}; bench took {time.perf_counter() - t0:.0f} s)")
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{x * 100:.0f}%"
+
+
+if __name__ == "__main__":
+    main()
