@@ -17,8 +17,12 @@ Predictions are uncalibrated: compute, launch, AdamW and copy rates come from ``
 run once at the start (no testbed), the links from the shaped rates and the probe's per-call
 latency inside the testbed. Nothing is fitted to these runs.
 
+Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
+EP-bound config predicts four other configs, each then run: twice the micro-batches, serial,
+PP 2 x EP 1, half the link rate.
+
 Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 4] [--quick] [--out DIR]``
-(root, ip and tc needed; about 10 minutes on 2 cores, ``--quick``: one rate per config).
+(root, ip and tc needed; about 15 minutes on 2 cores, ``--quick``: one rate per config).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 MODEL = ["model.hidden=256", "model.expert_hidden=512", "model.dense_hidden=1024", "model.seq_len=128",
-         "model.micro_batch_size=4", "parallel.microbatches=4", "hardware.gpus_per_node=1", "schedule.offload=none"]
+         "model.micro_batch_size=4", "parallel.microbatches=4", "hardware.gpus_per_node=1", "schedule.offload=none",
+         "hardware.device_memory_gb=2"]
 CONFIGS = {
     "ep-bound (pp 1 x ep 2)": ["parallel.pp=1", "parallel.ep=2"],
     "pp-bound (pp 2 x ep 1)": ["parallel.pp=2", "parallel.ep=1"],
@@ -153,6 +158,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="one link rate (comm:compute 1) per config")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--no-transfer", action="store_true", help="skip the calibration-transfer rows")
+    ap.add_argument("--transfer-only", action="store_true", help="only the calibration-transfer rows")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from runtime.testbed import testbed_available
@@ -169,7 +176,7 @@ def main() -> None:
     hw = probe_hardware(base)
     print("bench_overlap: probed " + ", ".join(f"{k.split('.')[1]} {v}" for k, v in hw.items()), flush=True)
     rows = []
-    for cname, cbase in CONFIGS.items():
+    for cname, cbase in ({} if a.transfer_only else CONFIGS).items():
         for ratio in ((1.0,) if a.quick else RATIOS):
             gbps = rate_for_ratio(cbase, hw, ratio)
             if gbps is None:
@@ -192,8 +199,32 @@ def main() -> None:
                   + (f" | DeepSpeed {r['deepspeed_us'] / 1e3:.1f} ms, k3/DeepSpeed {k3['measured_us'] / r['deepspeed_us']:.3f}"
                      if "deepspeed_us" in r else "")
                   + f" | overlap planned {_pct(r['overlap'][0])} measured {_pct(r['overlap'][1])}", flush=True)
-    (base / "bench_overlap.json").write_text(json.dumps({"hardware": hw, "rows": rows}, indent=1))
+    transfer = None
+    if not a.no_transfer:
+        transfer = calibration_transfer(hw, base / "transfer", a.steps)
+    (base / "bench_overlap.json").write_text(json.dumps({"hardware": hw, "rows": rows, "transfer": transfer},
+                                                        indent=1))
     print(f"  (outputs under {base}; bench took {time.perf_counter() - t0:.0f} s)")
+
+
+def calibration_transfer(hw: dict, out: Path, steps: int) -> dict:
+    """Calibrate from one run of the EP-bound config (link at comm:compute 1), predict four others
+    (``runtime/transfer.py``): twice the micro-batches, serial, PP 2 x EP 1, half the link rate."""
+    from runtime.transfer import transfer_check
+
+    base = list(CONFIGS.values())[0]
+    gbps = rate_for_ratio(base, hw, 1.0)
+    source = overrides_for(base, hw, gbps)
+    targets = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
+               "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"],
+               "half link rate": [f"hardware.internode_gbps={gbps / 2:.6g}"]}
+    residual, rows = transfer_check(TINY, source, targets, steps, out)
+    print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s: residual on the source run {residual:+.3f}")
+    for r in rows:
+        print(f"    {r.name:<16} predicted {r.predicted_us / 1e3:8.1f} ms  measured {r.measured_us / 1e3:8.1f} ms  "
+              f"measured/predicted {r.ratio:.3f}", flush=True)
+    return {"gbps": gbps, "residual": residual,
+            "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us} for r in rows]}
 
 
 def _pct(x) -> str:

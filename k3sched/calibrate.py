@@ -8,9 +8,11 @@ by task id. What a task *costs* is not always its measured span:
 
 - compute and local-copy tasks (``compute`` lane, ``offload_local``): end - start.
 - collectives on the ``ep`` and ``collective`` lanes (all-to-alls, ``grad.rs``): every rank of the
-  stage runs the same task id; a rank that arrives early waits for the last one, which the plan
-  does not model (its stages' ranks are identical). Cost = end - (latest start of that task over
-  the stage's ranks, same step).
+  stage runs the same task id, and a rank that arrives early waits for the last one. The plan's
+  ranks of a stage are identical, so it cannot see that wait, but every synchronising collective
+  pays it: the slower rank of the moment sets the pace (on a shared machine, which one changes
+  from task to task). Cost = end - start on each rank, so the median over the ranks and steps
+  carries the typical wait beside the transfer.
 - transfers between stages (``act.send``/``act.recv``, ``grad.send``/``grad.recv``, ``act.roffload``
   /``act.rstore``, ``act.rserve``/``act.ronload``): a receive is posted early and waits for its send.
   The planner starts a receive when its send ends, so a receive's cost = its end - max(its start, its
@@ -27,17 +29,17 @@ sum(cost - fixed). For every lane with byte-moving tasks, ``bandwidth_gbps`` is 
 variable kinds when there are some, else from all of them) so the profile also describes the link.
 ``saved_bytes`` of the plan's own profile (``schedule.profile``) are kept.
 
-Contention factor. The planner treats each rank's lanes as its own hardware (GPU streams). On the
-CPU runner, 4 ranks x 5 lane threads share 2 cores: the tiny config burns ~0.58 s of CPU per
-~0.41 s step, so ranks slow each other beyond what per-task medians show (heavy-tailed durations:
-a task's mean is up to 2x its median when other ranks compute at the same time; all-to-alls wait
-for the slower EP rank; lane hand-offs wait for the GIL). Planning with the raw medians predicts
-about 0.4x the measured step there. When the calibration run's measured step time is known (its
-``summary.json``: median of the steps after the first), every duration and 1/bandwidth is scaled
-by one factor so that planning the same config with the profile predicts that step time
-(``contention_factor`` = measured / predicted-with-raw-medians, refined twice because fixed
-latencies do not scale). The factor is a property of the machine and the config's concurrency:
-it carries to a new run of the same config on the same runner, not to another machine.
+What transfers to other configs. Compute and local-copy kinds get per-kind durations on one core:
+the median cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
+so a config with more or fewer ranks per node is charged its own sharing. Communication kinds
+(all-to-alls, P2P receives, gradient reductions, remote offload) get no per-kind duration: per
+lane, a least-squares fit of cost - launch = steps x latency + (bytes / link rate) / efficiency
+over the lane's tasks ([Note: wire model] in k3sched/cost.py) gives ``latency_us[lane]`` and
+``link_efficiency[lane]`` (achieved / configured rate), so halving the config's link rate halves
+the modeled rate. optim.run is left to the cost model (it depends on the stage's parameters).
+No factor is fitted to the source run's step time: the residual on that run is reported beside,
+and predictions for other configs are checked by running them (tests/test_calibrate.py,
+benchmarks/bench_overlap.py).
 
 k3sched imports no torch; the trace readers (``traces``) are imported lazily by
 :func:`calibrate_files`, and :func:`fit_profile` takes any EventTable-like object with columns
@@ -59,6 +61,7 @@ from .tasks import Kind
 
 PROFILE_FORMAT = "k3sched.profile/1"
 COLLECTIVE_LANES = ("ep", "collective")
+WIRE_LANES = ("ep", "collective", "offload_remote")
 BYTE_LANES = ("ep", "collective", "offload_local", "offload_remote")
 # receiving kind -> sending kind (one transfer between two stages)
 PAIRS = {"act.recv": "act.send", "grad.recv": "grad.send", "act.rstore": "act.roffload", "act.ronload": "act.rserve"}
@@ -78,20 +81,35 @@ class Fit:
     raw_median_us: dict[str, float] = field(default_factory=dict)  # kind -> median end - start
     by_bandwidth: list[str] = field(default_factory=list)          # kinds left to the bandwidth
     task_cost_us: dict[str, float] = field(default_factory=dict)   # task id -> median cost (ranks, steps)
+    latency_us: dict[str, float] = field(default_factory=dict)       # lane -> µs per call / ring step
+    link_efficiency: dict[str, float] = field(default_factory=dict)  # lane -> achieved / configured rate
+    overhead_us: dict[str, float] = field(default_factory=dict)      # kept from the plan's profile
+    comm_cpu_ns_per_byte: float | None = None  # fitted CPU cost of a transferred byte (CPU runner)
+    share: float = 1.0                      # [Note: CPU sharing] factor of the source config's compute
     steps_used: int = 0
     ranks: int = 0
-    contention_factor: float = 1.0
-    measured_step_us: float | None = None
-    predicted_raw_us: float | None = None   # planned step with the unscaled medians
-    predicted_us: float | None = None       # planned step with the written profile
+    measured_step_us: float | None = None   # the source run's measured step (its summary.json)
+    predicted_us: float | None = None       # the source config planned with the written profile
+
+    @property
+    def residual(self) -> float | None:
+        """measured / predicted - 1 on the run the profile was fitted from (not a prediction)."""
+        if self.measured_step_us and self.predicted_us:
+            return self.measured_step_us / self.predicted_us - 1
+        return None
 
     def to_yaml_doc(self, source: str = "") -> dict:
-        doc = {"format": PROFILE_FORMAT,
-               "source": source + (f"; durations x{self.contention_factor:.4g} (contention factor: measured step "
-                                   f"{self.measured_step_us:.0f} us / raw-median plan {self.predicted_raw_us:.0f} us)"
-                                   if self.contention_factor != 1.0 else ""),
+        doc = {"format": PROFILE_FORMAT, "source": source,
                "durations_us": {k: round(v, 3) for k, v in sorted(self.durations_us.items())},
                "bandwidth_gbps": {k: float(f"{v:.6g}") for k, v in sorted(self.bandwidth_gbps.items())}}
+        if self.latency_us:
+            doc["latency_us"] = {k: round(v, 3) for k, v in sorted(self.latency_us.items())}
+        if self.link_efficiency:
+            doc["link_efficiency"] = {k: float(f"{v:.6g}") for k, v in sorted(self.link_efficiency.items())}
+        if self.overhead_us:
+            doc["overhead_us"] = {k: round(v, 3) for k, v in sorted(self.overhead_us.items())}
+        if self.comm_cpu_ns_per_byte is not None:
+            doc["comm_cpu_ns_per_byte"] = float(f"{self.comm_cpu_ns_per_byte:.4g}")
         if self.saved_bytes:
             doc["saved_bytes"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(self.saved_bytes.items())}
         return doc
@@ -157,12 +175,12 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     costs: dict[str, list[float]] = defaultdict(list)
     raw: dict[str, list[float]] = defaultdict(list)
     per_task: list[tuple[str, float, int, str, int | None]] = []  # (kind, cost, bytes, id, layer)
-    group_start: dict[tuple[int, str, int], float] = {}
-    for (r, tid, k), (s, e) in occ.items():
-        t = tasks[tid]
-        if t["lane"] in COLLECTIVE_LANES and t["kind"] not in P2P_KINDS:
-            key = (stage_of[r], tid, k)
-            group_start[key] = max(group_start.get(key, s), s)
+    cfg = _plan_config(plan)
+    model = CostModel(cfg, Profile(overhead_us=_plan_overheads(plan))) if cfg else None
+    cpu_ns = None
+    steal: dict = {}
+    if model is not None and model.cfg.hardware.host_cores:
+        cpu_ns, steal = _cpu_steal(occ, tasks, model)
     for (r, tid, k), (s, e) in occ.items():
         t = tasks[tid]
         kind = t["kind"]
@@ -172,17 +190,15 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
             pr = peer_rank(r, int(tasks[other]["stage"])) if other else None
             o = occ.get((pr, other, k)) if pr is not None else None
             begin = max(s, o[1]) if o else s
-        elif kind in P2P_KINDS:
+        elif kind in P2P_KINDS or t["lane"] in COLLECTIVE_LANES:
             begin = s
-        elif t["lane"] in COLLECTIVE_LANES:
-            begin = group_start[(stage_of[r], tid, k)]
         else:
-            begin = s
+            begin = s + steal.get((r, tid, k), 0.0)  # compute: the transfers' CPU share taken out
         c = max(e - begin, MIN_COST_US)
         costs[kind].append(c)
         per_task.append((kind, c, int(t.get("bytes") or 0), tid, t.get("layer")))
 
-    fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(ranks))
+    fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(ranks), comm_cpu_ns_per_byte=cpu_ns)
     by_id: dict[str, list[float]] = defaultdict(list)
     for _, c, _, tid, _ in per_task:
         by_id[tid].append(c)
@@ -192,18 +208,30 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     for t in tasks.values():
         nbytes[t["kind"]].add(int(t.get("bytes") or 0))
     variable = {k for k, b in nbytes.items() if max(b) > 0 and (max(b) - min(b)) > UNIFORM_BYTES_RTOL * max(b)}
+    if model is not None:
+        fit.share = max(model.share(Kind(t["kind"])) for t in tasks.values())
+    # kinds the wire model carries ([Note: wire model]): per-lane latency and link efficiency
+    wired = {k for k in costs if model is not None and _wire(model, k, None, 0) is not None}
+    wired |= {k for k in costs if model is not None and k in variable and _lane(Kind(k)) in WIRE_LANES}
     for kind, cs in sorted(costs.items()):
         fit.samples[kind] = len(cs)
         fit.raw_median_us[kind] = statistics.median(raw[kind])
+        if kind in wired or (model is not None and kind == Kind.OPTIM.value):
+            continue  # left to the wire fit / the cost model (optim.run depends on the stage's parameters)
         if kind in variable:
             fit.by_bandwidth.append(kind)
-        else:
-            fit.durations_us[kind] = statistics.median(cs)
+        else:  # one core's duration: the source config's CPU sharing divided out
+            share = model.share(Kind(kind)) if model is not None else 1.0
+            fit.durations_us[kind] = statistics.median(cs) / share
+    if model is not None:
+        _fit_wires(fit, model, [row for row in per_task if row[0] in wired])
+        fit.overhead_us = dict(model.profile.overhead_us)
     # bandwidths: bytes / (cost - the cost model's fixed part at infinite bandwidth)
-    cfg = _plan_config(plan)
     fixed_model = CostModel(cfg, Profile(bandwidth_gbps={ln: 1e12 for ln in BYTE_LANES})) if cfg else None
     lane_of = {k.value: _lane(k) for k in Kind}
     for lane in BYTE_LANES:
+        if model is not None and lane in WIRE_LANES:
+            continue
         rows = [(k, c, b, tid, layer) for k, c, b, tid, layer in per_task if lane_of.get(k) == lane and b > 0]
         if any(k in variable for k, *_ in rows):
             rows = [row for row in rows if row[0] in variable]
@@ -219,11 +247,96 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     return fit
 
 
-def scale(fit: Fit, factor: float) -> None:
-    """Scale every duration by ``factor`` and every bandwidth by 1 / ``factor`` (in place)."""
-    fit.durations_us = {k: v * factor for k, v in fit.durations_us.items()}
-    fit.bandwidth_gbps = {k: v / factor for k, v in fit.bandwidth_gbps.items()}
-    fit.contention_factor *= factor
+def _cpu_steal(occ: dict, tasks: dict, model: CostModel) -> tuple[float, dict]:
+    """Fit the CPU cost of a transferred byte from the run, and return it with, per compute-task
+    instance, the CPU time the rank's overlapping transfers took from it ([Note: CPU cost of
+    communication] in k3sched/planner.py applied to the measured spans), so that the fitted
+    durations are those of an uncontended core.
+
+    Each compute instance's span is regressed on the bytes its rank's transfers moved during it
+    (each transfer's bytes spread evenly over its span): span - EP host overhead overlapped =
+    base[kind] + ns_per_byte x bytes (least squares, ns_per_byte >= 0). Transfers that overlap
+    more compute in one config than another then cost what they cost here."""
+    import numpy as np
+
+    comm: dict[tuple[int, int], list[tuple[float, float, float, float]]] = defaultdict(list)
+    p2p = model.p2p_bytes()
+    for (r, tid, k), (s, e) in occ.items():
+        t = tasks[tid]
+        if t["lane"] not in WIRE_LANES or e <= s:
+            continue
+        moved = int(t.get("bytes") or 0) * (2 if t["lane"] == "ep" or t["kind"] == Kind.GRAD_RS.value else 1)
+        if t["kind"] in (Kind.FWD_RECV.value, Kind.BWD_RECV.value):
+            moved = p2p
+        over = model.overhead_us(Kind(t["kind"])) if t["lane"] == "ep" else 0.0
+        if moved or over:
+            comm[(r, k)].append((s, e, moved / (e - s), min(1.0, over / (e - s))))
+    keys, kinds, xb, xo, y = [], [], [], [], []
+    for (r, tid, k), (s, e) in occ.items():
+        if tasks[tid]["lane"] != "compute":
+            continue
+        b = o = 0.0
+        for cs, ce, brate, orate in comm.get((r, k), ()):
+            ov = max(0.0, min(ce, e) - max(cs, s))
+            b += ov * brate
+            o += ov * orate
+        keys.append((r, tid, k))
+        kinds.append(tasks[tid]["kind"])
+        xb.append(b)
+        xo.append(o)
+        y.append(e - s - o)
+    if not keys:
+        return 0.0, {}
+    names = sorted(set(kinds))
+    X = np.zeros((len(keys), len(names) + 1))
+    for i, kd in enumerate(kinds):
+        X[i, names.index(kd)] = 1.0
+    X[:, -1] = xb
+    coef, *_ = np.linalg.lstsq(X, np.array(y), rcond=None)
+    us_per_byte = max(0.0, float(coef[-1]))
+    steal = {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
+    return us_per_byte * 1e3, steal
+
+
+def _wire(model: CostModel, kind: str, layer, nbytes: int):
+    try:
+        return model.wire(Kind(kind), layer=layer, nbytes=nbytes)
+    except (ValueError, AssertionError, TypeError):
+        return None
+
+
+def _fit_wires(fit: Fit, model: CostModel, rows: list) -> None:
+    """Least squares per lane of cost - overhead = steps x latency + (bytes / link rate) / efficiency
+    over the lane's communication tasks ([Note: calibration]). When every task has the same
+    shape (one size, one step count) latency and efficiency cannot be told apart: the link's
+    configured latency is kept and the efficiency alone is fitted. An efficiency above 1 (faster
+    than the configured rate) is taken as 1 and the latency alone refitted."""
+    import numpy as np
+
+    by_lane: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
+    for kind, cost, nbytes, _tid, layer in rows:
+        w = _wire(model, kind, layer, nbytes)
+        if w is None or not w.terms:
+            continue
+        t1 = max(b / (g * 1e3) for b, g in w.terms)  # µs at the configured rate
+        by_lane[_lane(Kind(kind))].append((float(w.steps), t1, cost - model.overhead_us(Kind(kind)), w.latency_us))
+    for lane, pts in by_lane.items():
+        X = np.array([[p[0], p[1]] for p in pts])
+        y = np.array([p[2] for p in pts])
+        lat0 = statistics.median(p[3] for p in pts)
+        distinct = len({(round(p[0], 6), round(p[1], 3)) for p in pts})
+        lat, k = lat0, None
+        if distinct >= 2:
+            (lat_f, k_f), *_ = np.linalg.lstsq(X, y, rcond=None)
+            if lat_f >= 0 and k_f > 0:
+                lat, k = float(lat_f), float(k_f)
+        if k is None:  # latency fixed, efficiency alone
+            k = float(max(np.sum(X[:, 1] * (y - X[:, 0] * lat)) / np.sum(X[:, 1] ** 2), 1e-6))
+        if k < 1.0:  # faster than the link's rate is not a link property: rate as configured, latency alone
+            k = 1.0
+            lat = float(max(0.0, np.sum(X[:, 0] * (y - X[:, 1])) / np.sum(X[:, 0] ** 2)))
+        fit.latency_us[lane] = lat
+        fit.link_efficiency[lane] = 1.0 / k
 
 
 def predict_step_us(plan: dict, fit: Fit) -> float:
@@ -238,19 +351,6 @@ def predict_step_us(plan: dict, fit: Fit) -> float:
         data["schedule"] = {**data["schedule"], "profile": str(path)}
         cfg = config_from_dict(data)
         return float(make_plan(cfg, plan.get("strategy")).metrics["step_time_us"])
-
-
-def fit_contention(plan: dict, fit: Fit, measured_step_us: float, rounds: int = 3) -> Fit:
-    """Scale ``fit`` so that planning with it predicts ``measured_step_us`` (see [Note: calibration])."""
-    fit.measured_step_us = float(measured_step_us)
-    fit.predicted_raw_us = predicted = predict_step_us(plan, fit)
-    for _ in range(rounds):
-        if predicted <= 0:
-            break
-        scale(fit, measured_step_us / predicted)
-        predicted = predict_step_us(plan, fit)
-    fit.predicted_us = predicted
-    return fit
 
 
 def _lane(kind: Kind) -> str:
@@ -277,6 +377,16 @@ def _fixed_us(model: CostModel, kind: str, layer, nbytes: int) -> float:
         return model.duration_us(Kind(kind), layer=layer, nbytes=nbytes)
     except (ValueError, AssertionError, TypeError):
         return 0.0
+
+
+def _plan_overheads(plan: dict) -> dict:
+    """``overhead_us`` of the plan's own profile (kept in the fitted profile: they are what the
+    wire fit's fixed part subtracts)."""
+    path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
+    try:
+        return dict(load_profile(path).overhead_us) if path else {}
+    except ConfigError:
+        return {}
 
 
 def _plan_saved_bytes(plan: dict) -> dict:
@@ -310,11 +420,12 @@ def measured_step_from_summary(path: str | Path) -> float | None:
 
 
 def calibrate_files(trace_paths: list[str | Path], plan_path: str | Path, out_path: str | Path, *,
-                    summary: str | Path | None = None, contention: bool = True) -> Fit:
+                    summary: str | Path | None = None) -> Fit:
     """Read the traces (any format ``traces.read_trace`` reads) and the plan, fit, write the
-    profile. ``summary``: the run's summary.json (default: one beside the first trace, if any)
-    whose measured step time fits the contention factor; ``contention=False`` writes the raw
-    medians. Raises ``traces.TraceError`` for unreadable input and ValueError when nothing matches."""
+    profile. ``summary``: the run's summary.json (default: one beside the first trace, if any):
+    its measured step gives the fit's residual on the run it came from (reported, never used to
+    scale the profile). Raises ``traces.TraceError`` for unreadable input and ValueError when
+    nothing matches."""
     from traces.chrome import read_trace
     from traces.events import EventTable, TraceError
     from traces.validate import load_plan
@@ -324,31 +435,35 @@ def calibrate_files(trace_paths: list[str | Path], plan_path: str | Path, out_pa
         raise TraceError("no trace files given")
     events = EventTable.concat([read_trace(p) for p in trace_paths])
     fit = fit_profile(plan, events)
-    if contention:
-        if summary is None and (Path(trace_paths[0]).parent / "summary.json").exists():
-            summary = Path(trace_paths[0]).parent / "summary.json"
-        measured = measured_step_from_summary(summary) if summary is not None else None
-        if summary is not None and measured is None:
+    if summary is None and (Path(trace_paths[0]).parent / "summary.json").exists():
+        summary = Path(trace_paths[0]).parent / "summary.json"
+    if summary is not None:
+        fit.measured_step_us = measured_step_from_summary(summary)
+        if fit.measured_step_us is None:
             raise TraceError(f"{summary}: no measured_step_time_us (not a k3sched run summary.json)")
-        if measured:
-            fit_contention(plan, fit, measured)
-    write_profile(fit, out_path, source=f"{len(trace_paths)} trace file(s) of the run planned in {plan_path}")
+    path = write_profile(fit, out_path, source=f"{len(trace_paths)} trace file(s) of the run planned in {plan_path}")
+    if "config" in plan:
+        fit.predicted_us = predict_step_us(plan, fit)
     return fit
 
 
 def render(fit: Fit) -> str:
-    lines = [f"calibrated from {fit.ranks} rank(s), {fit.steps_used} step(s) per task"]
+    lines = [f"calibrated from {fit.ranks} rank(s), {fit.steps_used} step(s) per task"
+             + (f"; compute durations divided by the source's CPU sharing x{fit.share:.3g}" if fit.share != 1 else "")]
     lines.append("kind               samples   cost us  (measured span us)")
     for k in sorted(fit.samples):
         cost = fit.durations_us.get(k)
-        lines.append(f"  {k:<16} {fit.samples[k]:>7}  {('%9.1f' % cost) if cost is not None else '  (bw)   '}  "
-                     f"({fit.raw_median_us[k]:.1f})")
+        how = ('%9.1f' % cost) if cost is not None else ("  (wire) " if k not in fit.by_bandwidth else "  (bw)   ")
+        lines.append(f"  {k:<16} {fit.samples[k]:>7}  {how}  ({fit.raw_median_us[k]:.1f})")
+    if fit.comm_cpu_ns_per_byte is not None:
+        lines.append(f"CPU per transferred byte (fitted from the compute spans): {fit.comm_cpu_ns_per_byte:.3g} ns")
+    for lane in sorted(fit.latency_us):
+        lines.append(f"{lane} wire: latency {fit.latency_us[lane]:.1f} us per call, link efficiency "
+                     f"{fit.link_efficiency[lane]:.3f} of the configured rate")
     if fit.bandwidth_gbps:
         lines.append("bandwidth GB/s: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(fit.bandwidth_gbps.items())))
-    if fit.measured_step_us:
-        lines.append(f"step: measured {fit.measured_step_us / 1e3:.1f} ms; planned with the raw medians "
-                     f"{fit.predicted_raw_us / 1e3:.1f} ms; contention factor x{fit.contention_factor:.3f} applied to "
-                     f"every duration, planned with the profile {fit.predicted_us / 1e3:.1f} ms")
-    else:
-        lines.append("no measured step time (no summary.json): raw medians written, no contention factor")
+    if fit.residual is not None:
+        lines.append(f"fit residual on the source run: measured {fit.measured_step_us / 1e3:.1f} ms, planned with the "
+                     f"profile {fit.predicted_us / 1e3:.1f} ms ({fit.residual * 100:+.1f}%); a prediction for other "
+                     "configs is only checked by running them")
     return "\n".join(lines)

@@ -225,8 +225,7 @@ def calibrate(
     plan_path: Path = typer.Option(..., "--plan", help="plan.json the run followed."),
     out: Path = typer.Option(..., "-o", "--out", help="Profile YAML to write (durations_us, bandwidth_gbps)."),
     summary: Optional[Path] = typer.Option(None, help="The run's summary.json (default: beside the first trace); "
-                                                      "its measured step time fits the contention factor."),
-    raw: bool = typer.Option(False, help="Write the raw per-kind medians, no contention factor."),
+                                                      "its measured step gives the fit's residual on that run."),
 ) -> None:
     """Fit per-kind durations and per-lane bandwidths from a measured run; write the profile YAML
     (plan with --set schedule.profile=FILE). See [Note: calibration] in k3sched/calibrate.py."""
@@ -237,8 +236,7 @@ def calibrate(
     except ImportError:  # pragma: no cover
         TraceError = OSError  # noqa: N806
     try:
-        fit = calibrate_files([str(t) for t in traces], str(plan_path), str(out), summary=summary,
-                              contention=not raw)
+        fit = calibrate_files([str(t) for t in traces], str(plan_path), str(out), summary=summary)
     except (TraceError, ValueError, ConfigError) as e:
         fail(str(e))
     print(render(fit))

@@ -65,6 +65,8 @@ class Profile:
     overhead_us: dict[str, float] = field(default_factory=dict)
     """Per communication kind: the fixed host-side cost (routing bookkeeping, permutes, buffers)
     that replaces ``hardware.launch_us`` in its duration (the wire time comes on top)."""
+    comm_cpu_ns_per_byte: float | None = None
+    """Fitted CPU cost of a transferred byte (replaces ``hardware.comm_cpu_ns_per_byte``)."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,8 @@ def load_profile(path: str | Path) -> Profile:
         raise ConfigError(f"schedule.profile: cannot read {p}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"schedule.profile: {p} must be a mapping with durations_us / bandwidth_gbps")
-    keys = ("durations_us", "bandwidth_gbps", "latency_us", "link_efficiency", "overhead_us", "saved_bytes", "format",
-            "source")
+    keys = ("durations_us", "bandwidth_gbps", "latency_us", "link_efficiency", "overhead_us", "comm_cpu_ns_per_byte",
+            "saved_bytes", "format", "source")
     unknown = set(data) - set(keys)
     if unknown:
         raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: {', '.join(keys)}")
@@ -123,7 +125,8 @@ def load_profile(path: str | Path) -> Profile:
     lat = {str(k): float(v) for k, v in (data.get("latency_us") or {}).items()}
     eff = {str(k): float(v) for k, v in (data.get("link_efficiency") or {}).items()}
     over = {str(k): float(v) for k, v in (data.get("overhead_us") or {}).items()}
-    return Profile(dur, bw, str(p), saved, lat, eff, over)
+    cpu = data.get("comm_cpu_ns_per_byte")
+    return Profile(dur, bw, str(p), saved, lat, eff, over, None if cpu is None else float(cpu))
 
 
 class CostModel:
@@ -384,7 +387,8 @@ class CostModel:
         """CPU time per byte a rank sends or receives, when lanes are CPU threads (``host_cores``
         set); 0 otherwise ([Note: CPU cost of communication] in k3sched/planner.py)."""
         hw = self.cfg.hardware
-        return hw.comm_cpu_ns_per_byte if hw.host_cores else 0.0
+        fitted = self.profile.comm_cpu_ns_per_byte
+        return (hw.comm_cpu_ns_per_byte if fitted is None else fitted) if hw.host_cores else 0.0
 
     def optim_us(self, params: int, nonlayer_params: int) -> float:
         """optim.run of a stage holding ``params`` parameters: AdamW over them (this rank's

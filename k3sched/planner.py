@@ -631,7 +631,8 @@ class _Search:
 def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel) -> list[float]:
     """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
     gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
-    sends or receives (``k3sched probe`` measures it). A compute task that overlaps a transfer
+    sends or receives (``k3sched probe`` measures it), and an EP task's host-side work (routing
+    bookkeeping, permutes: its ``overhead_us``) runs on the same core. A compute task that overlaps a transfer
     shares its core with that work, so it takes longer by the CPU time the overlapping transfers
     spend during it (each transfer's CPU spread evenly over its planned span). Returns the
     durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (the
@@ -652,8 +653,9 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
             moved = 2 * t.bytes if t.lane == "ep" or t.kind is Kind.GRAD_RS else t.bytes
             if t.kind in (Kind.FWD_RECV, Kind.BWD_RECV):
                 moved = p2p
-            if moved:
-                comm.append((t.start_us, t.end_us, min(1.0, moved * ns / 1e3 / (t.end_us - t.start_us))))
+            cpu = moved * ns / 1e3 + (cost.overhead_us(t.kind) if t.lane == "ep" else 0.0)
+            if cpu:
+                comm.append((t.start_us, t.end_us, min(1.0, cpu / (t.end_us - t.start_us))))
     for comp, comm in by_stage.values():
         if not comm:
             continue

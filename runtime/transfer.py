@@ -1,0 +1,61 @@
+"""Does a calibration transfer? Fit a profile from one run, predict runs of other configs.
+
+:func:`transfer_check` runs a source config on the shaped-link testbed (``runtime/testbed.py``),
+calibrates from its traces (``k3sched calibrate``, [Note: calibration] in k3sched/calibrate.py),
+then, for each target (a list of ``--set`` overrides on top of the source), plans the target with
+the fitted profile and runs it: the prediction error is measured on runs the profile was not
+fitted to. The residual on the source run is reported separately. Used by
+``tests/test_calibrate.py`` and ``benchmarks/bench_overlap.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TransferRow:
+    name: str
+    overrides: list[str]
+    predicted_us: float
+    measured_us: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted."""
+        return self.measured_us / self.predicted_us
+
+
+def _run(config: Path, overrides: list[str], steps: int, out: Path, strategy: str | None) -> dict:
+    from runtime.launch import run_command
+
+    rc = run_command(config, overrides, steps, None, out, False, strategy, timeout_s=600, quiet=True,
+                     emulate_links=True)
+    if rc != 0:
+        raise RuntimeError(f"run {overrides} ({strategy or 'k3'}) failed with exit {rc}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path
+                   ) -> tuple[float, list[TransferRow]]:
+    """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
+    A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
+    plan. Returns (the fit's residual on the source run, one row per target)."""
+    from k3sched.calibrate import calibrate_files
+    from k3sched.config import load_config
+    from k3sched.planner import plan
+
+    src = out / "source"
+    _run(config, source, steps, src, None)
+    profile = out / "profile.yaml"
+    fit = calibrate_files(sorted(str(p) for p in src.glob("trace_rank*.json")), src / "plan.json", profile,
+                          summary=src / "summary.json")
+    rows = []
+    for name, extra in targets.items():
+        ov = source + extra + [f"schedule.profile={profile}"]
+        predicted = float(plan(load_config(config, ov)).metrics["step_time_us"])
+        summary = _run(config, ov, steps, out / name.replace(" ", "_"), None)
+        rows.append(TransferRow(name, extra, predicted, float(summary["measured_step_time_us"])))
+    return fit.residual or 0.0, rows
