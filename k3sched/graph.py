@@ -214,7 +214,8 @@ class _Builder:
         if v == 0:
             prev = [self.add(Kind.EMBED_FWD, v, "F", m, scope_chunk=True)]
         elif self._rank[v - 1] != stage:
-            prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, m)]])]
+            prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, m)]],
+                             release=(self._rank[v - 1], self.cost.p2p_bytes()))]
         else:
             prev = self.fwd_out[(v - 1, m)]
         for L in self.layers[v]:
@@ -252,8 +253,10 @@ class _Builder:
             prev = [self.add(Kind.HEAD_FWD, v, "F", m, scope_chunk=True, deps=prev,
                              alloc=self.fwd_alloc(Kind.HEAD_FWD))]
         elif self._rank[v + 1] != stage:
+            # the send buffer stays on this stage until the receive has it (released by the receive)
             self.send_f[(v, m)] = self.add(Kind.FWD_SEND, v, "F", m, scope_chunk=True, deps=prev,
-                                           nbytes=self.cost.p2p_bytes(), duration=self.dur(Kind.FWD_SEND))
+                                           nbytes=self.cost.p2p_bytes(), duration=self.dur(Kind.FWD_SEND),
+                                           alloc=Mem(device=self.cost.p2p_bytes()))
         self.fwd_out[(v, m)] = prev
 
     def _onload(self, v: int, m: int, L: int, trigger: str | None) -> str | None:
@@ -293,7 +296,8 @@ class _Builder:
             self.add(Kind.HEAD_DW, v, "W", m, scope_chunk=True, deps=[up],
                      free=Mem(device=sv[Kind.HEAD_FWD][0] + dx_alloc(Kind.HEAD_DX)))
         elif self._rank[v + 1] != stage:
-            up = self.add(Kind.BWD_RECV, v, "I", m, scope_chunk=True, deps=[self.send_b[(v + 1, m)]])
+            up = self.add(Kind.BWD_RECV, v, "I", m, scope_chunk=True, deps=[self.send_b[(v + 1, m)]],
+                          release=(self._rank[v + 1], self.cost.p2p_bytes()))
         else:
             up = self.bwd_out[(v + 1, m)]
         layers = self.layers[v]
@@ -344,7 +348,8 @@ class _Builder:
             self.add(Kind.EMBED_DW, v, "W", m, scope_chunk=True, deps=[up])
         elif self._rank[v - 1] != stage:
             self.send_b[(v, m)] = self.add(Kind.BWD_SEND, v, "I", m, scope_chunk=True, deps=[up],
-                                           nbytes=cost.p2p_bytes(), duration=self.dur(Kind.BWD_SEND))
+                                           nbytes=cost.p2p_bytes(), duration=self.dur(Kind.BWD_SEND),
+                                           alloc=Mem(device=cost.p2p_bytes()))
         self.bwd_out[(v, m)] = up
 
     def grad_rs(self, v: int, mb: int | None, layer: int, deps: list[str]) -> list[str]:

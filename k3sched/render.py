@@ -47,6 +47,7 @@ def task_json(t: Task) -> dict:
         "layer": t.layer, "start_us": round(t.start_us, 3), "end_us": round(t.end_us, 3), "deps": list(t.deps),
         "mem": {"alloc": t.alloc.to_json(), "free": t.free.to_json()}, "bytes": t.bytes, "buffer": t.buffer,
         "peer_stage": t.peer_stage, "duration_us": round(t.duration_us, 3),
+        "release": None if t.release is None else {"stage": t.release[0], "device": t.release[1]},
     }
 
 

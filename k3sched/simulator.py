@@ -114,7 +114,8 @@ SPACES = ("device", "host", "peer")
 def memory_timeline(tasks: Iterable[Task], base: Mapping[tuple[int, str], int] | None = None
                     ) -> dict[tuple[int, str], MemoryTimeline]:
     """Bytes in use over time per (stage, space). Remote offload bytes count as ``peer`` memory
-    of the stage that holds them (``task.peer_stage``), not of the stage that sent them. Frees
+    of the stage that holds them (``task.peer_stage``), not of the stage that sent them; a task's
+    ``release`` frees device bytes of another stage at its end (a receive, its send's buffer). Frees
     at an instant come before allocations at the same instant; then creation order."""
     base = dict(base or {})
     keys: list[tuple[int, str]] = []
@@ -132,6 +133,8 @@ def memory_timeline(tasks: Iterable[Task], base: Mapping[tuple[int, str], int] |
             keys.append((t.stage, "host")); times.append(t.start_us); kinds.append(1); deltas.append(a.host)
         if f.host:
             keys.append((t.stage, "host")); times.append(t.end_us); kinds.append(0); deltas.append(-f.host)
+        if t.release is not None and t.release[1]:
+            keys.append((t.release[0], "device")); times.append(t.end_us); kinds.append(0); deltas.append(-t.release[1])
         if a.peer or f.peer:
             owner = t.peer_stage if t.peer_stage is not None else t.stage
             if a.peer:

@@ -205,7 +205,8 @@ class Task:
     ``chunk`` is the virtual chunk (model chunk) index local to the stage; ``vstage`` the global
     virtual stage index (chunk * pp + stage for interleaved placements, see the pipeline
     schedules). ``deps`` are task ids (possibly on other stages: P2P). ``alloc``/``free`` give
-    the memory effect; ``peer_stage`` names the rank holding remotely offloaded bytes; ``buffer``
+    the memory effect (``release``: bytes freed on another stage); ``peer_stage`` names the rank
+    holding remotely offloaded bytes; ``buffer``
     names the activation buffer an offload/onload moves (validation joins on it).
     """
 
@@ -224,6 +225,9 @@ class Task:
     flops: float = 0.0
     peer_stage: int | None = None
     buffer: str | None = None
+    release: tuple[int, int] | None = None
+    """(stage, device bytes) this task frees on *another* stage when it ends: a P2P receive
+    releases its send's buffer (the sender holds it until the transfer is done)."""
     # filled by the planner / simulator
     start_us: float | None = None
     end_us: float | None = None

@@ -183,6 +183,32 @@ def _sync_ctx(layer: int, is_moe: bool) -> LayerCtx:
     return lc
 
 
+class PendingSends:
+    """P2P sends in flight: (work, buffer) of each ``isend``, so the buffer lives until the
+    transfer is done. :meth:`nbytes` drops completed ones (their buffers are free) and counts the
+    rest, which the memory tracker adds to device memory; the plan counts the same (a send holds
+    its buffer until the matching receive ends: ``release`` in plan.json)."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._lock = threading.Lock()
+
+    def add(self, work, buf: Tensor) -> None:
+        with self._lock:
+            self._items.append((work, buf))
+
+    def nbytes(self) -> int:
+        with self._lock:
+            self._items = [(w, b) for w, b in self._items if not w.is_completed()]
+            return sum(b.numel() * b.element_size() for _, b in self._items)
+
+    def wait_all(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for work, _ in items:
+            work.wait()
+
+
 class StageRunner:
     """This rank's stage: model, micro-batch states, groups, optimizer and task handlers."""
 
@@ -216,12 +242,12 @@ class StageRunner:
         self._quantized: set[tuple[int, int]] = set()  # (mb, layer) sets kept on the device as FP8
         self._mem_lock = threading.Lock()
         self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
-                                    extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0)
+                                    extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0,
+                                    extra_device=lambda: self.sends.nbytes())
         self.replicas = lo.ep * lo.dp
         self.mbs: dict[int, MicroBatch] = {}
         self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
-        self._pending: list = []  # (work, tensor) of isends, waited at the end of the step
-        self._pending_lock = threading.Lock()
+        self.sends = PendingSends()
         self.fail_task = fail_task
         self._rs_buckets: dict[tuple[int, int], int] = {}
         m = cfg.model
@@ -292,10 +318,7 @@ class StageRunner:
     def end_step(self) -> float:
         """Wait for outstanding sends; return this rank's loss contribution (sum over its
         micro-batches of cross-entropy if it holds the head, plus aux-loss terms of its layers)."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        for work, _ in pending:
-            work.wait()
+        self.sends.wait_all()
         self.acts.end_step()
         if self.gshards is not None:
             self.gshards.end_step()
@@ -466,8 +489,7 @@ class StageRunner:
         buf = buf.contiguous()
         group = self.groups.pp if t.kind is Kind.FWD_SEND else self.groups.pp_grad
         work = dist.isend(buf, dst=self.groups.pp_rank(peer), group=group, tag=self._tag(key))
-        with self._pending_lock:
-            self._pending.append((work, buf))
+        self.sends.add(work, buf)
         if t.kind is Kind.FWD_SEND:
             mb.acts[idx] = None
         else:

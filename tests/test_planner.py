@@ -227,3 +227,24 @@ def test_lower_bound_is_jackson_preemptive_bound():
     # two jobs released at 0 and 1: run the long-tail one first, preempting
     assert _jackson_preemptive([(0.0, 4.0, 0.0), (1.0, 1.0, 10.0)]) == 12.0
     assert _jackson_preemptive([(0.0, 2.0, 1.0)]) == 3.0
+
+
+def test_send_buffer_stays_on_the_sender_until_its_receive_ends(tiny_cfg):
+    """A P2P send holds its buffer (T h b bytes) on the sending stage until the matching receive
+    on the other stage has ended (``release``), as the runtime holds the isend's tensor."""
+    from k3sched.simulator import memory_timeline
+
+    p = plan(tiny_cfg)
+    sends = [t for t in p.tasks.values() if t.kind is Kind.FWD_SEND]
+    recv = {t.deps[0]: t for t in p.tasks.values() if t.kind is Kind.FWD_RECV}
+    assert sends
+    nbytes = sends[0].bytes
+    assert nbytes == tiny_cfg.model.tokens * tiny_cfg.model.hidden * tiny_cfg.model.dtype_bytes
+    for s in sends:
+        r = recv[s.id]
+        assert s.alloc.device == nbytes and r.release == (s.stage, nbytes)
+    # on the sender, device memory during [send start, receive end) includes the buffer: replaying
+    # without the releases leaves every send buffer allocated to the end of the step
+    mem = memory_timeline(p.tasks.values())[(0, "device")]
+    kept = memory_timeline([Task(**{**t.__dict__, "release": None}) for t in p.tasks.values()])[(0, "device")]
+    assert kept.bytes[-1] - mem.bytes[-1] == nbytes * len([s for s in sends if s.stage == 0])
