@@ -18,6 +18,20 @@ def tiny_cfg():
     return load_config(CONFIGS / "tiny-cpu.yaml")
 
 
+def procs_with(marker: str) -> list:
+    """Live processes whose command line contains ``marker`` (leftover checks)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
 class FakeCtx:
     """A moe ``LayerCtx`` stand-in for offload tests: named saved tensors with ``replace`` (same
     shape and dtype, as the real store requires)."""

@@ -9,13 +9,14 @@ import json
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from k3sched.config import load_config
 from runtime.launch import run_command
 from runtime.reference import reference_run
+
+from conftest import procs_with
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -36,17 +37,6 @@ def _one_thread():
 
 def _run(out: Path, overrides: list[str], steps: int, **kw) -> int:
     return run_command(TINY, overrides, steps, None, out, False, None, timeout_s=LIMIT_S, quiet=True, **kw)
-
-
-def _leftovers(marker: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if marker in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +107,7 @@ def test_failing_rank_stops_every_rank_with_one_clear_line(tmp_path, capfd):
     last = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert last and "rank 1" in last[-1] and "injected failure (K3SCHED_FAIL_RANK=1)" in last[-1], err[-2000:]
     assert "task s1/" in last[-1]
-    assert not _leftovers(str(tmp_path)), "processes left behind"
+    assert not procs_with(str(tmp_path)), "processes left behind"
 
 
 def test_comm_lane_perturbation_fails_fast_naming_the_mismatch(tmp_path, capfd):
@@ -129,7 +119,7 @@ def test_comm_lane_perturbation_fails_fast_naming_the_mismatch(tmp_path, capfd):
     assert rc == 1
     line = [ln for ln in err.splitlines() if ln.startswith("error: ")][-1]
     assert "pp group: transfer #0 from stage" in line, err[-2000:]
-    assert not _leftovers(str(tmp_path))
+    assert not procs_with(str(tmp_path))
 
 
 def test_user_error_exits_2_before_launch(tmp_path, capfd):

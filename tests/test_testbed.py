@@ -15,12 +15,13 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from runtime import testbed as tbmod
 from runtime.launch import run_command
 from runtime.testbed import Testbed, links_for, reap_leftovers, testbed_available
+
+from conftest import procs_with
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -35,17 +36,6 @@ needs_testbed = pytest.mark.skipif(_REASON is not None, reason=f"testbed unavail
 def _namespaces(prefix: str) -> list[str]:
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
     return [line.split()[0] for line in r.stdout.splitlines() if line.startswith(prefix)]
-
-
-def _procs_with(marker: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if marker in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
 
 
 def _dead_pid() -> int:
@@ -227,7 +217,7 @@ def test_training_run_on_testbed(tmp_path):
     tb = json.loads((out / "summary.json").read_text())["testbed"]
     assert tb["internode_gbps"] == 0.05 and tb["nvlink_gbps"] == 2.0 and tb["nodes"] == 2
     assert _namespaces(f"k3sched-{tb['tag'].split('-')[0]}-") == []
-    assert _procs_with(str(out)) == []
+    assert procs_with(str(out)) == []
 
 
 @needs_testbed
@@ -239,7 +229,7 @@ def test_failing_rank_on_testbed(tmp_path, capfd):
     assert code == 1
     assert len(err) == 1 and err[0].startswith("error: rank 1:"), err
     assert _namespaces(f"k3sched-{os.getpid()}-") == []
-    assert _procs_with(str(tmp_path)) == []
+    assert procs_with(str(tmp_path)) == []
 
 
 @needs_testbed
@@ -253,7 +243,7 @@ def test_signal_cleans_up(tmp_path, sig):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(_procs_with(str(out))) < 3:  # cli + torchrun + a rank
+        while time.monotonic() < deadline and len(procs_with(str(out))) < 3:  # cli + torchrun + a rank
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
         assert _namespaces(f"k3sched-{proc.pid}-"), "the testbed was not set up"
@@ -269,7 +259,7 @@ def test_signal_cleans_up(tmp_path, sig):
     assert err.splitlines()[0] == f"error: {word}; stopped every rank", err
     assert "k3sched/cli.py" not in err and "runtime/launch.py" not in err and "runtime/testbed.py" not in err, err
     assert _namespaces(f"k3sched-{proc.pid}-") == []
-    assert _procs_with(str(out)) == []
+    assert procs_with(str(out)) == []
 
 
 @needs_testbed
