@@ -185,28 +185,57 @@ def _sync_ctx(layer: int, is_moe: bool) -> LayerCtx:
 
 class PendingSends:
     """P2P sends in flight: (work, buffer) of each ``isend``, so the buffer lives until the
-    transfer is done. :meth:`nbytes` drops completed ones (their buffers are free) and counts the
-    rest, which the memory tracker adds to device memory; the plan counts the same (a send holds
-    its buffer until the matching receive ends: ``release`` in plan.json)."""
+    transfer is done. A reaper thread waits on them in order and drops each once its transfer
+    completed (gloo marks a send complete only in ``wait``), so :meth:`nbytes`, which the memory
+    tracker adds to device memory, counts what is really held. The plan counts the same: a send
+    holds its buffer until the matching receive ends (``release`` in plan.json). :meth:`wait_all`
+    (end of step) waits for the rest and re-raises a failed send."""
 
     def __init__(self) -> None:
-        self._items: list = []
-        self._lock = threading.Lock()
+        self._items: dict[int, tuple] = {}
+        self._next = 0
+        self._cv = threading.Condition()
+        self._queue: list[int] = []
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
     def add(self, work, buf: Tensor) -> None:
-        with self._lock:
-            self._items.append((work, buf))
+        with self._cv:
+            key, self._next = self._next, self._next + 1
+            self._items[key] = (work, buf)
+            self._queue.append(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._reap, name="k3sched-sends", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _reap(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                key = self._queue.pop(0)
+                work = self._items[key][0]
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait_all
+                with self._cv:
+                    self._error = self._error or e
+            with self._cv:
+                self._items.pop(key, None)
+                self._cv.notify_all()
 
     def nbytes(self) -> int:
-        with self._lock:
-            self._items = [(w, b) for w, b in self._items if not w.is_completed()]
-            return sum(b.numel() * b.element_size() for _, b in self._items)
+        with self._cv:
+            return sum(b.numel() * b.element_size() for _, b in self._items.values())
 
     def wait_all(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for work, _ in items:
-            work.wait()
+        with self._cv:
+            while self._items and self._error is None:
+                self._cv.wait(0.05)
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
 
 
 class StageRunner:

@@ -1,9 +1,11 @@
 """Send buffers in flight are counted until their transfer completes (runtime.stage.PendingSends),
-on two real gloo processes: the sender's count holds the buffer until the receiver has it."""
+on two real gloo processes: the sender's count holds the buffer until the receiver has it, and
+drops it then, before the end-of-step wait."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -30,9 +32,12 @@ def _rank(rank: int, port: int, q) -> None:
             sends.add(dist.isend(buf, dst=1), buf)
             before = sends.nbytes()  # the receiver has not posted its receive yet (it waits below)
             dist.barrier()
-            dist.barrier()  # the receiver has its bytes
-            sends.wait_all()
+            dist.barrier()  # the receiver has its bytes: the reaper drops the send without wait_all
+            deadline = time.monotonic() + 10
+            while sends.nbytes() and time.monotonic() < deadline:
+                time.sleep(0.01)
             q.put(("sender", before, sends.nbytes()))
+            sends.wait_all()
         else:
             dist.barrier()
             buf = torch.empty(NUMEL)
