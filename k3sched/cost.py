@@ -107,26 +107,59 @@ def load_profile(path: str | Path) -> Profile:
     unknown = set(data) - set(keys)
     if unknown:
         raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: {', '.join(keys)}")
-    dur = {str(k): float(v) for k, v in (data.get("durations_us") or {}).items()}
-    for k in dur:
-        try:
-            Kind(k)
-        except ValueError:
-            raise ConfigError(f"schedule.profile: unknown task kind {k!r} in {p}") from None
-    bw = {str(k): float(v) for k, v in (data.get("bandwidth_gbps") or {}).items()}
+    dur = _numbers(data, "durations_us", p, kinds=True, low=0.0)
+    bw = _numbers(data, "bandwidth_gbps", p, kinds=False, low=0.0, low_open=True)
     saved: dict[str, int | tuple[int, int]] = {}
-    for k, v in (data.get("saved_bytes") or {}).items():
+    saved_in = data.get("saved_bytes") or {}
+    if not isinstance(saved_in, dict):
+        raise ConfigError(f"schedule.profile: saved_bytes must be a mapping of task kind: bytes in {p}")
+    for k, v in saved_in.items():
         try:
             Kind(str(k))
             saved[str(k)] = (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else int(v)
-        except (ValueError, TypeError, IndexError):
+        except (ValueError, TypeError, IndexError, OverflowError):
             raise ConfigError(f"schedule.profile: saved_bytes: {k!r} must be a task kind with bytes N or [w, x] "
                               f"in {p}; got {v!r}") from None
-    lat = {str(k): float(v) for k, v in (data.get("latency_us") or {}).items()}
-    eff = {str(k): float(v) for k, v in (data.get("link_efficiency") or {}).items()}
-    over = {str(k): float(v) for k, v in (data.get("overhead_us") or {}).items()}
+    lat = _numbers(data, "latency_us", p, kinds=False, low=0.0)
+    eff = _numbers(data, "link_efficiency", p, kinds=False, low=0.0, low_open=True, high=1.0)
+    over = _numbers(data, "overhead_us", p, kinds=True, low=0.0)
     cpu = data.get("comm_cpu_ns_per_byte")
-    return Profile(dur, bw, str(p), saved, lat, eff, over, None if cpu is None else float(cpu))
+    cpu = None if cpu is None else _number(cpu, "comm_cpu_ns_per_byte", p, low=0.0)
+    return Profile(dur, bw, str(p), saved, lat, eff, over, cpu)
+
+
+def _number(v, what: str, path: Path, *, low: float, low_open: bool = False, high: float | None = None) -> float:
+    """``v`` as a finite float in [low, high] (``low_open``: > low); one-line ConfigError else."""
+    import math
+
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not (ok and (v > low if low_open else v >= low) and (high is None or v <= high)):
+        span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+        raise ConfigError(f"schedule.profile: {what} must be a finite number {span} in {path}; got {v!r}")
+    return float(v)
+
+
+def _numbers(data: dict, key: str, path: Path, *, kinds: bool, low: float, low_open: bool = False,
+             high: float | None = None) -> dict[str, float]:
+    """``data[key]`` as {name: float}: names are task kinds (``kinds``) or lane names; values as
+    :func:`_number` checks them."""
+    from .tasks import LANES
+
+    raw = data.get(key) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"schedule.profile: {key} must be a mapping of name: number in {path}; got {raw!r}")
+    out = {}
+    for k, v in raw.items():
+        name = str(k)
+        if kinds:
+            try:
+                Kind(name)
+            except ValueError:
+                raise ConfigError(f"schedule.profile: {key}: unknown task kind {name!r} in {path}") from None
+        elif name not in LANES:
+            raise ConfigError(f"schedule.profile: {key}: unknown lane {name!r} in {path}; lanes: {', '.join(LANES)}")
+        out[name] = _number(v, f"{key}: {name}", path, low=low, low_open=low_open, high=high)
+    return out
 
 
 class CostModel:

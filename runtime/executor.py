@@ -290,7 +290,6 @@ class Executor:
             if missing:
                 raise ValueError(f"task {tid}: dependency {missing[0]} is not a task of stage {stage}")
             self._deps[tid] = tuple(dict.fromkeys(local))
-        self.serial = serial
         # [Note: serial execution]: the token is one more dependency on the previous task; lanes that
         # share a link ([Note: shared links] in k3sched/cost.py) pass a token among themselves
         groups = [tuple(LANES)] if serial else [tuple(g) for g in shared_links]

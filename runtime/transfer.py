@@ -28,13 +28,12 @@ class TransferRow:
         return self.measured_us / self.predicted_us
 
 
-def _run(config: Path, overrides: list[str], steps: int, out: Path, strategy: str | None) -> dict:
+def _run(config: Path, overrides: list[str], steps: int, out: Path) -> dict:
     from runtime.launch import run_command
 
-    rc = run_command(config, overrides, steps, None, out, False, strategy, timeout_s=600, quiet=True,
-                     emulate_links=True)
+    rc = run_command(config, overrides, steps, None, out, timeout_s=600, quiet=True, emulate_links=True)
     if rc != 0:
-        raise RuntimeError(f"run {overrides} ({strategy or 'k3'}) failed with exit {rc}")
+        raise RuntimeError(f"run {overrides} failed with exit {rc}")
     return json.loads((out / "summary.json").read_text())
 
 
@@ -48,7 +47,7 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     from k3sched.planner import plan
 
     src = out / "source"
-    _run(config, source, steps, src, None)
+    _run(config, source, steps, src)
     profile = out / "profile.yaml"
     fit = calibrate_files(sorted(str(p) for p in src.glob("trace_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
@@ -56,6 +55,6 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     for name, extra in targets.items():
         ov = source + extra + [f"schedule.profile={profile}"]
         predicted = float(plan(load_config(config, ov)).metrics["step_time_us"])
-        summary = _run(config, ov, steps, out / name.replace(" ", "_"), None)
+        summary = _run(config, ov, steps, out / name.replace(" ", "_"))
         rows.append(TransferRow(name, extra, predicted, float(summary["measured_step_time_us"])))
     return fit.residual or 0.0, rows

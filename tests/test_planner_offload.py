@@ -114,3 +114,23 @@ def test_remote_offload_has_peer_side_tasks():
         ron = next(x for x in t.values() if x.kind is Kind.ACT_RONLOAD and serve.id in x.deps)
         assert off.end_us <= s.start_us <= serve.start_us and serve.end_us <= ron.start_us
         assert serve.lane == s.lane == "offload_remote" and serve.stage == s.stage
+
+
+@pytest.mark.parametrize("text, says", [
+    ("durations_us: {attn.fwd: .nan}", "durations_us: attn.fwd must be a finite number >= 0"),
+    ("durations_us: {attn.fwd: -1}", "durations_us: attn.fwd must be a finite number >= 0"),
+    ("durations_us: {attn.fwd: fast}", "durations_us: attn.fwd must be a finite number"),
+    ("durations_us: [1, 2]", "durations_us must be a mapping"),
+    ("bandwidth_gbps: {ep: 0}", "bandwidth_gbps: ep must be a finite number > 0"),
+    ("bandwidth_gbps: {nic: 1.0}", "unknown lane 'nic'"),
+    ("latency_us: {ep: .inf}", "latency_us: ep must be a finite number >= 0"),
+    ("link_efficiency: {ep: 1.5}", "link_efficiency: ep must be a finite number > 0 and <= 1"),
+    ("overhead_us: {attn.sideways: 1}", "overhead_us: unknown task kind 'attn.sideways'"),
+    ("comm_cpu_ns_per_byte: yes", "comm_cpu_ns_per_byte must be a finite number >= 0"),
+])
+def test_bad_profile_values_are_one_line_errors_naming_the_field(tmp_path, text, says):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text + "\n")
+    with pytest.raises(ValueError) as e:
+        load_profile(bad)
+    assert says in str(e.value) and "\n" not in str(e.value)
