@@ -33,7 +33,7 @@ What transfers to other configs. Compute and local-copy kinds get per-kind durat
 the median cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
 so a config with more or fewer ranks per node is charged its own sharing. Communication kinds
 (all-to-alls, P2P receives, gradient reductions, remote offload) get no per-kind duration: per
-lane, a least-squares fit of cost - launch = steps x latency + (bytes / link rate) / efficiency
+lane, a least-squares fit of cost - overhead = steps x latency + (bytes / link rate) / efficiency
 over the lane's tasks ([Note: wire model] in k3sched/cost.py) gives ``latency_us[lane]`` and
 ``link_efficiency[lane]`` (achieved / configured rate), so halving the config's link rate halves
 the modeled rate. optim.run is left to the cost model (it depends on the stage's parameters).
@@ -260,15 +260,11 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel) -> tuple[float, dict]:
     import numpy as np
 
     comm: dict[tuple[int, int], list[tuple[float, float, float, float]]] = defaultdict(list)
-    p2p = model.p2p_bytes()
     for (r, tid, k), (s, e) in occ.items():
         t = tasks[tid]
-        if t["lane"] not in WIRE_LANES or e <= s:
+        if e <= s:
             continue
-        moved = int(t.get("bytes") or 0) * (2 if t["lane"] == "ep" or t["kind"] == Kind.GRAD_RS.value else 1)
-        if t["kind"] in (Kind.FWD_RECV.value, Kind.BWD_RECV.value):
-            moved = p2p
-        over = model.overhead_us(Kind(t["kind"])) if t["lane"] == "ep" else 0.0
+        moved, over = model.comm_cpu_load(Kind(t["kind"]), int(t.get("bytes") or 0))
         if moved or over:
             comm[(r, k)].append((s, e, moved / (e - s), min(1.0, over / (e - s))))
     keys, kinds, xb, xo, y = [], [], [], [], []
@@ -441,7 +437,7 @@ def calibrate_files(trace_paths: list[str | Path], plan_path: str | Path, out_pa
         fit.measured_step_us = measured_step_from_summary(summary)
         if fit.measured_step_us is None:
             raise TraceError(f"{summary}: no measured_step_time_us (not a k3sched run summary.json)")
-    path = write_profile(fit, out_path, source=f"{len(trace_paths)} trace file(s) of the run planned in {plan_path}")
+    write_profile(fit, out_path, source=f"{len(trace_paths)} trace file(s) of the run planned in {plan_path}")
     if "config" in plan:
         fit.predicted_us = predict_step_us(plan, fit)
     return fit

@@ -416,6 +416,19 @@ class CostModel:
         ``overhead_us[kind]`` (``k3sched probe``'s operator profile), else ``hardware.launch_us``."""
         return self.profile.overhead_us.get(kind.value, self.cfg.hardware.launch_us)
 
+    def comm_cpu_load(self, kind: Kind, nbytes: int) -> tuple[float, float]:
+        """What a communication task costs the rank's CPU ([Note: CPU cost of communication] in
+        k3sched/planner.py): (bytes it sends plus receives, host-side µs). An all-to-all and a ring
+        reduction send and receive ``nbytes`` each; a P2P receive takes the activation bytes; an
+        EP task also runs its host-side work (:meth:`overhead_us`). (0, 0) for other lanes."""
+        lane = LANE_OF[kind]
+        if lane not in ("ep", "collective", "offload_remote"):
+            return 0.0, 0.0
+        if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
+            return float(self.p2p_bytes()), 0.0
+        moved = 2 * nbytes if lane == "ep" or kind is Kind.GRAD_RS else nbytes
+        return float(moved), (self.overhead_us(kind) if lane == "ep" else 0.0)
+
     def comm_cpu_ns_per_byte(self) -> float:
         """CPU time per byte a rank sends or receives, when lanes are CPU threads (``host_cores``
         set); 0 otherwise ([Note: CPU cost of communication] in k3sched/planner.py)."""

@@ -638,7 +638,6 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (the
     tasks' start_us / end_us); the caller schedules again with them."""
     ns = cost.comm_cpu_ns_per_byte()
-    p2p = cost.p2p_bytes()
     dur = list(prep.dur)
     tasks, ids = g.tasks, prep.ids
     by_stage: dict[int, tuple[list[int], list[tuple[float, float, float]]]] = defaultdict(lambda: ([], []))
@@ -649,11 +648,9 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
         comp, comm = by_stage[t.stage]
         if t.lane == "compute":
             comp.append(i)
-        elif t.lane in ("ep", "collective", "offload_remote") and t.end_us > t.start_us:
-            moved = 2 * t.bytes if t.lane == "ep" or t.kind is Kind.GRAD_RS else t.bytes
-            if t.kind in (Kind.FWD_RECV, Kind.BWD_RECV):
-                moved = p2p
-            cpu = moved * ns / 1e3 + (cost.overhead_us(t.kind) if t.lane == "ep" else 0.0)
+        elif t.end_us > t.start_us:
+            moved, host_us = cost.comm_cpu_load(t.kind, t.bytes)
+            cpu = moved * ns / 1e3 + host_us
             if cpu:
                 comm.append((t.start_us, t.end_us, min(1.0, cpu / (t.end_us - t.start_us))))
     for comp, comm in by_stage.values():
