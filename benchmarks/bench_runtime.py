@@ -27,22 +27,6 @@ TINY = REPO / "configs" / "tiny-cpu.yaml"
 EP2 = ["parallel.pp=1", "parallel.ep=2"]
 
 
-def executor_overhead_us(steps: int = 20) -> tuple[float, int]:
-    """Microseconds per task of the executor with no-op handlers on stage 0 of the EP2 plan."""
-    from k3sched.config import load_config
-    from k3sched.planner import plan
-    from k3sched.render import plan_to_json
-    from runtime.executor import Executor, noop_handlers, stage_lanes
-
-    lanes = stage_lanes(plan_to_json(plan(load_config(TINY, EP2))), 0)
-    n = sum(len(v) for v in lanes.values())
-    with Executor(lanes, noop_handlers(), perturb=None) as ex:
-        for i in range(3):
-            ex.run_step(i)
-        walls = [ex.run_step(i).wall_s for i in range(steps)]
-    return statistics.median(walls) / n * 1e6, n
-
-
 def runtime_step_s(strategy: str, steps: int, out: Path) -> float:
     from runtime.launch import run_command
 
@@ -190,7 +174,9 @@ def main() -> None:
     base = a.out or Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     base.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    over_us, n = executor_overhead_us()
+    from runtime.probe import executor_overhead_us
+
+    over_us, how = executor_overhead_us(steps=20)
     k3 = runtime_step_s("k3", a.steps, base / "k3")
     serial = runtime_step_s("serial", a.steps, base / "serial")
     ds = deepspeed_step_s(a.steps, base)
@@ -201,7 +187,7 @@ def main() -> None:
     print(f"  serial plan    {serial * 1e3:8.1f} ms/step   (planned {plan_serial / 1e3:.1f} ms)   "
           f"serial / k3 = {serial / k3:.2f}")
     print(f"  DeepSpeed MoE  {ds * 1e3:8.1f} ms/step   DeepSpeed / k3 = {ds / k3:.2f}")
-    print(f"  executor overhead: {over_us:.1f} us/task (no-op handlers, {n} tasks of stage 0)")
+    print(f"  executor overhead: {over_us:.1f} us/task ({how})")
     print(f"  (outputs under {base}; bench took {time.perf_counter() - t_start:.0f} s)")
 
 
