@@ -43,17 +43,13 @@ class MemoryTracker:
     ``static``: callable -> tensors resident on the device besides activations (parameters, their
     gradients, optimizer state, gradient buffers); ``saved``: callable -> the live saved tensors;
     ``pools``: the activation manager (``device_pool`` / ``host_pool`` / ``peer_pool``);
-    ``extra_host``: callable -> more host bytes (gradient shards); ``extra_device``: callable -> more
-    device bytes the CPU count cannot see through the other callables (P2P send buffers in flight;
-    on CUDA the allocator counts them)."""
+    ``extra_host``: callable -> more host bytes (gradient shards)."""
 
     def __init__(self, static: Callable[[], Iterable[Tensor]], saved: Callable[[], Iterable[Tensor]], pools,
-                 device: torch.device, extra_host: Callable[[], int] | None = None,
-                 extra_device: Callable[[], int] | None = None) -> None:
+                 device: torch.device, extra_host: Callable[[], int] | None = None) -> None:
         self.static, self.saved, self.pools = static, saved, pools
         self.device = device
         self.extra_host = extra_host or (lambda: 0)
-        self.extra_device = extra_device or (lambda: 0)
         self.samples: list[tuple[float, int, int, int]] = []
         self.peak_device = 0  # device + peer (what the plan's peak_device_bytes counts)
         self.peak_host = 0
@@ -82,8 +78,7 @@ class MemoryTracker:
             else:  # pragma: no cover
                 saved = []
             skip = pools.device_pool.ptrs | pools.peer_pool.ptrs
-            dev = (_distinct_bytes(self.static()) + _distinct_bytes(saved, skip) + pools.device_pool.held()
-                   + self.extra_device())
+            dev = _distinct_bytes(self.static()) + _distinct_bytes(saved, skip) + pools.device_pool.held()
             peak = dev + peer
         s = (now, dev, host, peer)
         self.samples.append(s)
