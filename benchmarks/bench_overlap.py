@@ -222,7 +222,7 @@ def calibration_transfer(hw: dict, out: Path, steps: int) -> dict:
     print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s: residual on the source run {residual:+.3f}")
     for r in rows:
         print(f"    {r.name:<16} predicted {r.predicted_us / 1e3:8.1f} ms  measured {r.measured_us / 1e3:8.1f} ms  "
-              f"measured/predicted {r.ratio:.3f}", flush=True)
+              f"measured/predicted {r.ratio:.3f} (x{r.ratio / (1 + residual):.3f} of the source's)", flush=True)
     return {"gbps": gbps, "residual": residual,
             "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us} for r in rows]}
 
