@@ -180,7 +180,8 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     cpu_ns = None
     steal: dict = {}
     if model is not None and model.cfg.hardware.host_cores:
-        cpu_ns, steal = _cpu_steal(occ, tasks, model)
+        floor = {k: d * model.share(Kind(k)) for k, d in _plan_durations(plan).items() if k in Kind._value2member_map_}
+        cpu_ns, steal = _cpu_steal(occ, tasks, model, floor)
     for (r, tid, k), (s, e) in occ.items():
         t = tasks[tid]
         kind = t["kind"]
@@ -247,7 +248,7 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     return fit
 
 
-def _cpu_steal(occ: dict, tasks: dict, model: CostModel) -> tuple[float, dict]:
+def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = None) -> tuple[float, dict]:
     """Fit the CPU cost of a transferred byte from the run, and return it with, per compute-task
     instance, the CPU time the rank's overlapping transfers took from it ([Note: CPU cost of
     communication] in k3sched/planner.py applied to the measured spans), so that the fitted
@@ -256,7 +257,16 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel) -> tuple[float, dict]:
     Each compute instance's span is regressed on the bytes its rank's transfers moved during it
     (each transfer's bytes spread evenly over its span): span - EP host overhead overlapped =
     base[kind] + ns_per_byte x bytes (least squares, ns_per_byte >= 0). Transfers that overlap
-    more compute in one config than another then cost what they cost here."""
+    more compute in one config than another then cost what they cost here.
+
+    ``floor``: kind -> µs of the op measured with every core computing and nothing transferred (the
+    plan's own profile: ``k3sched probe``'s operator profile, times the source's CPU sharing). The
+    slope is identified only by how much the overlapped bytes vary within a kind, which on a noisy
+    shared machine can be little, so a least-squares slope can charge transfers with slowdowns they
+    did not cause and leave the ops faster than they ever ran alone. The slope is lowered until the
+    compute instances' bases together are no less than their floors together: (sum of spans - sum
+    of floors) / sum of overlapped bytes (for a fixed slope the best base of a kind is its mean
+    residual). Together, not per kind: an expert op's work depends on the routing of the moment."""
     import numpy as np
 
     comm: dict[tuple[int, int], list[tuple[float, float, float, float]]] = defaultdict(list)
@@ -290,6 +300,9 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel) -> tuple[float, dict]:
     X[:, -1] = xb
     coef, *_ = np.linalg.lstsq(X, np.array(y), rcond=None)
     us_per_byte = max(0.0, float(coef[-1]))
+    floors = [floor.get(kd) for kd in kinds] if floor else []
+    if floors and all(f is not None for f in floors) and sum(xb) > 0:
+        us_per_byte = max(0.0, min(us_per_byte, (sum(y) - sum(floors)) / sum(xb)))
     steal = {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
     return us_per_byte * 1e3, steal
 
@@ -381,6 +394,15 @@ def _plan_overheads(plan: dict) -> dict:
     path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
     try:
         return dict(load_profile(path).overhead_us) if path else {}
+    except ConfigError:
+        return {}
+
+
+def _plan_durations(plan: dict) -> dict:
+    """``durations_us`` of the plan's own profile ({} without one)."""
+    path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
+    try:
+        return dict(load_profile(path).durations_us) if path else {}
     except ConfigError:
         return {}
 
