@@ -2,7 +2,7 @@
 
 The EP group is passed explicitly to every call (``None`` = no EP: one rank holds all experts,
 the all-to-alls are identities). Calls are synchronous; the executor runs them on its EP lane.
-The order of these calls on a group must be the same on every rank of it (DESIGN.md section 2).
+The order of these calls on a group must be the same on every rank of it (docs/design.md, rule 3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The slow, obviously-correct path beside the executor (STYLE.md point 7): one process, every
+"""The slow, obviously-correct path beside the executor (docs/design.md, rule 5): one process, every
 expert local, plain autograd over the same global batch, the same AdamW. Tests compare the
 distributed runs' losses and gradients against it."""
 

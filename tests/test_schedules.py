@@ -1,7 +1,7 @@
 """Pipeline schedules: data model, validator, and the literature's bubble formulas.
 
 Uniform costs, zero communication. Definitions used throughout (as in the DualPipe README and
-DESIGN.md): F = forward of one (virtual) stage, B = its FULL backward, W = the weight-gradient
+docs/design.md): F = forward of one (virtual) stage, B = its FULL backward, W = the weight-gradient
 part of B, so the input-gradient part is I = B - W; "idle" = step time - busy compute time of a
 rank; "bubble ratio" = idle / step time.
 """
