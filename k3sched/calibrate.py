@@ -426,41 +426,37 @@ def write_profile(fit: Fit, path: str | Path, source: str = "") -> Path:
     return p
 
 
-def measured_step_from_summary(path: str | Path) -> float | None:
-    """``measured_step_time_us`` of a run's summary.json (None when absent or unreadable)."""
-    import json
+def measured_step_from_summary(path: str | Path) -> float:
+    """``measured_step_time_us`` of a run's summary.json, the file checked against its schema
+    (``traces.schema.RunSummary``: format ``k3sched.run/1``, a finite positive step). Raises
+    ``traces.TraceError`` (one line: file, field, value, what is allowed) for a missing,
+    unreadable or malformed summary."""
+    from traces.schema import load_summary
 
-    try:
-        v = json.loads(Path(path).read_text()).get("measured_step_time_us")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(v) if v else None
+    return float(load_summary(path).measured_step_time_us)
 
 
 def calibrate_files(trace_paths: list[str | Path], plan_path: str | Path, out_path: str | Path, *,
-                    summary: str | Path | None = None) -> Fit:
+                    summary: str | Path | None = None, skip_bad_events: bool = False) -> Fit:
     """Read the traces (any format ``traces.read_trace`` reads) and the plan, fit, write the
     profile. ``summary``: the run's summary.json (default: one beside the first trace, if any):
     its measured step gives the fit's residual on the run it came from (reported, never used to
-    scale the profile). Raises ``traces.TraceError`` for unreadable input and ValueError when
-    nothing matches."""
-    from traces.chrome import read_trace
-    from traces.events import EventTable, TraceError
+    scale the profile). Every input is checked before the fit (the plan and the summary against
+    their schemas, ``traces.schema``). ``skip_bad_events``: drop malformed trace events (their
+    count is said on stderr) instead of refusing the file. Raises ``traces.TraceError`` (one
+    line) for unreadable or malformed input and ValueError when nothing matches."""
+    from traces.cli import read_trace_files
     from traces.validate import load_plan
 
     plan = load_plan(plan_path)
-    if not trace_paths:
-        raise TraceError("no trace files given")
-    events = EventTable.concat([read_trace(p) for p in trace_paths])
-    fit = fit_profile(plan, events)
-    if summary is None and (Path(trace_paths[0]).parent / "summary.json").exists():
+    if summary is None and trace_paths and (Path(trace_paths[0]).parent / "summary.json").exists():
         summary = Path(trace_paths[0]).parent / "summary.json"
-    if summary is not None:
-        fit.measured_step_us = measured_step_from_summary(summary)
-        if fit.measured_step_us is None:
-            raise TraceError(f"{summary}: no measured_step_time_us (not a k3sched run summary.json)")
+    measured = measured_step_from_summary(summary) if summary is not None else None
+    events = read_trace_files(trace_paths, skip_bad_events=skip_bad_events, prog="k3sched calibrate")
+    fit = fit_profile(plan, events)
+    fit.measured_step_us = measured
     write_profile(fit, out_path, source=f"{len(trace_paths)} trace file(s) of the run planned in {plan_path}")
-    if "config" in plan:
+    if {"model", "parallel", "hardware", "schedule"} <= set(plan.get("config") or {}):  # a planner's plan
         fit.predicted_us = predict_step_us(plan, fit)
     return fit
 

@@ -1,12 +1,24 @@
-"""The ``k3sched`` command line: plan, compare, run, validate, calibrate.
+"""The ``k3sched`` command line: plan, compare, run, validate, calibrate, probe.
 
-User errors (bad config, infeasible budget, unreadable trace) print one line and exit 2; no
-traceback. Heavy modules (torch, the runtime, the trace readers) are imported by the commands
-that need them, so ``k3sched plan`` starts fast and needs no torch.
+[Note: CLI error boundary]
+Exit codes, every command: 0 success (``validate``: the traces conform), 1 ``validate``: they do
+not conform / ``run``: a rank failed or timed out / ``probe``: a measurement failed, 2 a user
+error, 3 an internal error (a bug), 130 interrupted. A user error (bad config or option, an
+infeasible budget, an unreadable or malformed plan / trace / summary, an output path that cannot
+be written, an OSError on a file the user named) prints ONE line on stderr naming what is wrong
+and what is allowed; options and output paths are checked before any work. Anything else raised
+is a bug: one line with the exception and the path of a file holding the traceback
+(``$TMPDIR/k3sched-crash-*.txt``), exit 3, so that ``validate``'s exit 1 always means violations.
+Each command runs inside :func:`_guarded`; :func:`main` adds one-line usage errors and catches
+whatever escapes. Heavy modules (torch, the runtime, the trace readers) are imported by the
+commands that need them, so ``k3sched plan`` starts fast and needs no torch.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -26,8 +38,130 @@ err_console = Console(stderr=True)
 
 
 def fail(msg: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    _say_error(msg)
     raise typer.Exit(code)
+
+
+def _say_error(msg: str) -> None:
+    """``error: MSG`` on one line of stderr (the message is not rich markup: ``stages[0]`` stays)."""
+    err_console.print("[bold red]error:[/] ", end="", highlight=False)
+    err_console.print(msg, highlight=False, soft_wrap=True, markup=False)
+
+
+# ---- the error boundary ([Note: CLI error boundary]) -------------------------------------
+
+def _user_error_types() -> tuple[type, ...]:
+    """Exception classes that mean bad input, from the modules already loaded (a class whose
+    module was never imported cannot have been raised)."""
+    types: list[type] = [ConfigError]
+    for mod, name in (("k3sched.planner", "InfeasibleBudget"), ("traces.events", "TraceError"),
+                      ("runtime.testbed", "TestbedError")):
+        cls = getattr(sys.modules.get(mod), name, None)
+        if isinstance(cls, type):
+            types.append(cls)
+    return tuple(types)
+
+
+def _named_paths(values) -> list[str]:
+    out = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out += _named_paths(v)
+        elif isinstance(v, Path):
+            out.append(os.path.abspath(v))
+    return out
+
+
+def _on_named_path(e: OSError, named: list[str]) -> str | None:
+    for fn in (e.filename, e.filename2):
+        if fn is None:
+            continue
+        f = os.path.abspath(os.fsdecode(fn))
+        if any(f == p or f.startswith(p.rstrip(os.sep) + os.sep) for p in named):
+            return os.fsdecode(fn)
+    return None
+
+
+def internal_error(exc: BaseException) -> int:
+    """One line naming the exception and a file with its traceback (in ``$TMPDIR``); 3."""
+    import tempfile
+    import time
+    import traceback
+
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"k3sched-crash-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write("k3sched " + " ".join(sys.argv[1:]) + "\n")
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=f)
+        where = f"traceback in {name}"
+    except OSError as e:
+        where = f"the traceback could not be written ({e.strerror})"
+    _say_error(f"internal error (a bug, not your input): {what}; {where}")
+    return 3
+
+
+def exit_code_for(exc: BaseException, named: list[str] = ()) -> int:
+    """Say ``exc`` as one line; return the exit code: 2 for a user error, 3 for a bug."""
+    if isinstance(exc, _user_error_types()):
+        _say_error(" ".join(str(exc).split()) or type(exc).__name__)
+        return 2
+    if isinstance(exc, OSError):
+        fn = _on_named_path(exc, list(named))
+        if fn is not None:
+            _say_error(f"{fn}: {exc.strerror or exc}")
+            return 2
+    return internal_error(exc)
+
+
+def _guarded(fn):
+    """Run a command inside the error boundary ([Note: CLI error boundary])."""
+
+    @functools.wraps(fn)
+    def run_guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.TyperException, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - the boundary
+            raise typer.Exit(exit_code_for(e, _named_paths([*args, *kwargs.values()]))) from None
+
+    return run_guarded
+
+
+def command(*args, **kwargs):
+    """``app.command`` with the error boundary."""
+    def deco(fn):
+        return app.command(*args, **kwargs)(_guarded(fn))
+
+    return deco
+
+
+# ---- checks of options and output paths, before any work ---------------------------------
+
+def _number(opt: str, value, *, gt: float | None = None, ge: float | None = None, le: float | None = None,
+            unit: str = "") -> None:
+    """Refuse a numeric option that is not finite or out of range (one line, exit 2)."""
+    if value is None:
+        return
+    bounds = [f"> {gt:g}" if gt is not None else None, f">= {ge:g}" if ge is not None else None,
+              f"<= {le:g}" if le is not None else None]
+    allowed = ("an integer" if isinstance(value, int) else "a finite number") \
+        + "".join(f" {b}" for b in bounds if b) + (f" ({unit})" if unit else "")
+    ok = math.isfinite(value) and (gt is None or value > gt) and (ge is None or value >= ge) \
+        and (le is None or value <= le)
+    if not ok:
+        fail(f"{opt}: must be {allowed}; got {value}")
+
+
+def _check_out(opt: str, path: Optional[Path], *, directory: bool = False) -> None:
+    """Refuse an output path that cannot be written (one line, exit 2), before any work."""
+    if path is None:
+        return
+    why = _writable_target(path, directory=directory)
+    if why:
+        fail(f"{opt} {path}: {why}")
 
 
 def _load(config: Path, overrides: Optional[List[str]]):
@@ -95,7 +229,7 @@ def write_outputs(p, out: Path, png: bool = True) -> list[Path]:
     return paths
 
 
-@app.command()
+@command()
 def plan(
     config: Path = typer.Argument(..., help="YAML config (sections model, parallel, hardware, schedule)."),
     strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
@@ -114,6 +248,9 @@ def plan(
     cfg = _load(config, set_)
     if strategy is not None and strategy not in ("k3", "serial"):
         fail(f"--strategy: must be k3 or serial; got {strategy!r}")
+    _number("--exact-time-limit", exact_time_limit, gt=0, unit="seconds")
+    _check_out("--out", out, directory=True)
+    _check_out("--torch-csv", torch_csv)
     if from_torch_csv is not None:
         from . import schedules
 
@@ -159,7 +296,7 @@ def plan(
                       f"{rep['heuristic_us'] / 1e3:.3f} ms, gap {rep['gap'] * 100:.2f}% vs {ref}", highlight=False)
 
 
-@app.command()
+@command()
 def compare(
     config: Path = typer.Argument(..., help="YAML config."),
     schedules: Optional[str] = typer.Option(None, help="Comma-separated pipelines (default: every one the "
@@ -172,11 +309,12 @@ def compare(
     from .compare import compare_command
 
     _load(config, set_)
+    _check_out("--out", out, directory=True)
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else None
     raise typer.Exit(compare_command(config, names, out, set_, console))
 
 
-@app.command()
+@command()
 def run(
     config: Path = typer.Argument(..., help="YAML config (sections model, parallel, hardware, schedule)."),
     out: Path = typer.Option(Path("out/run"), help="Output directory: plan.json, trace_rank{R}.json, summary.json."),
@@ -194,13 +332,17 @@ def run(
     the plan on five lanes; write plan.json, per-rank traces and a summary into OUT."""
     if strategy is not None and strategy not in ("k3", "serial"):
         fail(f"--strategy: must be k3 or serial; got {strategy!r}")
+    _number("--steps", steps, ge=1)
+    _number("--nproc", nproc, ge=1)
+    _number("--timeout", timeout, gt=0, unit="seconds")
+    _check_out("--out", out, directory=True)
     from runtime.launch import run_command  # imports torch: only when a run is asked for
 
     raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
                                  emulate_links=emulate_links))
 
 
-@app.command()
+@command()
 def validate(
     traces: List[Path] = typer.Argument(..., help="Recorded traces: runtime Chrome JSON, Kineto JSON(.gz), nsys "
                                                    "SQLite."),
@@ -209,16 +351,21 @@ def validate(
     tolerance_us: float = typer.Option(50.0, help="Dependency slack allowed, microseconds."),
     cross_rank_clocks: bool = typer.Option(False, help="The ranks' clocks are comparable (one machine, or "
                                                        "synchronised): also check dependencies across ranks."),
+    skip_bad_events: bool = typer.Option(False, help="Drop malformed trace events (their count is said on "
+                                                     "stderr) instead of refusing the file."),
 ) -> None:
-    """Check recorded traces against a plan; exit 0 conforms, 1 does not, 2 unreadable input."""
+    """Check recorded traces against a plan; exit 0 conforms, 1 does not, 2 unreadable input or a
+    bad option, 3 an internal error."""
+    _number("--tolerance-us", tolerance_us, ge=0, unit="microseconds")
+    _check_out("--json", json_out)
     from traces.cli import validate_main
 
     raise typer.Exit(validate_main(str(plan_path), [str(t) for t in traces],
                                    json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us,
-                                   cross_rank_clocks=cross_rank_clocks))
+                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events))
 
 
-@app.command()
+@command()
 def calibrate(
     traces: List[Path] = typer.Argument(..., help="Traces of a measured run: runtime trace_rank*.json or nsys "
                                                    "SQLite."),
@@ -226,40 +373,57 @@ def calibrate(
     out: Path = typer.Option(..., "-o", "--out", help="Profile YAML to write (durations_us, bandwidth_gbps)."),
     summary: Optional[Path] = typer.Option(None, help="The run's summary.json (default: beside the first trace); "
                                                       "its measured step gives the fit's residual on that run."),
+    skip_bad_events: bool = typer.Option(False, help="Drop malformed trace events (their count is said on "
+                                                     "stderr) instead of refusing the file."),
 ) -> None:
     """Fit per-kind durations and per-lane bandwidths from a measured run; write the profile YAML
     (plan with --set schedule.profile=FILE). See [Note: calibration] in k3sched/calibrate.py."""
+    _check_out("-o", out)
+    from traces.events import TraceError
+
     from .calibrate import calibrate_files, render
 
     try:
-        from traces.events import TraceError
-    except ImportError:  # pragma: no cover
-        TraceError = OSError  # noqa: N806
-    try:
-        fit = calibrate_files([str(t) for t in traces], str(plan_path), str(out), summary=summary)
-    except (TraceError, ValueError, ConfigError) as e:
+        fit = calibrate_files([str(t) for t in traces], str(plan_path), str(out), summary=summary,
+                              skip_bad_events=skip_bad_events)
+    except (TraceError, ValueError, ConfigError) as e:  # ValueError: no event names a task of the plan
         fail(str(e))
     print(render(fit))
     console.print(f"wrote {out} (plan with --set schedule.profile={out})", highlight=False)
 
 
-def _writable_target(path: Path) -> str | None:
-    """Why ``path`` cannot be written (one phrase), or None."""
-    import os
+def _writable_target(path: Path, *, directory: bool = False) -> str | None:
+    """Why ``path`` cannot be written (one phrase), or None: the one check of every output option.
+    ``directory``: the output is a directory to create or fill (``--out``), else a file.
+    (``traces.cli.writable_target`` is the same check for files; a test keeps them equal.)"""
+    import tempfile
 
-    if path.is_dir():
-        return "is a directory"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else "is not writable"
-    anc = path.parent
+    path = Path(path)
+    if directory:
+        if path.exists() and not path.is_dir():
+            return "is a file, expected a directory"
+        anc = path
+    else:
+        if path.is_dir():
+            return "is a directory"
+        if path.exists():
+            return None if os.access(path, os.W_OK) else "is not writable"
+        anc = path.parent
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
     if not anc.is_dir():
         return f"{anc} is not a directory"
-    return None if os.access(anc, os.W_OK | os.X_OK) else f"cannot create files under {anc}"
+    if not os.access(anc, os.W_OK | os.X_OK):
+        return f"cannot create files under {anc}"
+    try:  # access() says yes to root everywhere: try it (a file removed on close)
+        with tempfile.TemporaryFile(dir=anc):
+            pass
+    except OSError as e:
+        return f"cannot create files under {anc} ({e.strerror})"
+    return None
 
 
-@app.command()
+@command()
 def probe(
     nproc: int = typer.Option(2, help="Ranks for the collective measurements (torchrun; gloo on CPU, NCCL on GPU)."),
     out: Path = typer.Option(Path("hardware.yaml"), "-o", "--out", help="YAML to write: CONFIG with its hardware "
@@ -281,14 +445,11 @@ def probe(
         fail(f"--nproc: the collective measurements need at least 2 ranks; got {nproc}")
     if nproc > 64:
         fail(f"--nproc: at most 64 local ranks; got {nproc}")
-    if not timeout > 0:
-        fail(f"--timeout: must be positive; got {timeout}")
+    _number("--timeout", timeout, gt=0, unit="seconds")
     if set_ and config is None:
         fail("--set: needs --config (it overrides the config's fields)")
     cfg = _load(config, set_) if config is not None else None
-    why = _writable_target(out)
-    if why:
-        fail(f"-o {out}: {why}")
+    _check_out("-o", out)
     if emulate_links and cfg is None:
         fail("--emulate-links: needs --config (the links are shaped to its hardware.internode_gbps and nvlink_gbps)")
     testbed, testbed_errors = None, ()
@@ -344,10 +505,31 @@ def probe(
 
 
 def main() -> None:
+    """The ``k3sched`` entry point: the commands under the error boundary, usage errors as one
+    line (exit 2), anything that escapes a command as :func:`exit_code_for` says."""
     try:
-        app()
-    except KeyboardInterrupt:  # pragma: no cover
+        rv = app(standalone_mode=False)
+    except KeyboardInterrupt:
         sys.exit(130)
+    except typer.Abort:
+        print("Aborted!", file=sys.stderr)
+        sys.exit(1)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.TyperException as e:  # usage: unknown option, missing argument, bad value
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _say_error(where + " ".join(e.format_message().split()) + hint)
+        sys.exit(e.exit_code)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - the boundary: escaped a command (or typer itself)
+        sys.exit(exit_code_for(e))
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

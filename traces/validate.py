@@ -38,20 +38,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from k3sched.tasks import COMM_LANES, parse_task_id
-from traces.events import EventTable, TraceError
+from traces.events import EventTable
+from traces.schema import PLAN_FORMAT, Plan, PlanError, check_report
+from traces.schema import check_plan as _check_plan_schema
 
 DEFAULT_TOLERANCE_US = 5.0
-PLAN_FORMAT_PREFIX = "k3sched.plan/"
+__all__ = ["PLAN_FORMAT", "PlanError", "Report", "Violation", "check_plan", "load_plan", "validate"]
 _ONLOAD_OF = {"act.onload": "act.offload", "act.ronload": "act.roffload"}
 # receive-side kind -> the sending kinds whose START bounds its END ([Note: validation rules])
 RECV_OF = {"act.recv": ("act.send",), "grad.recv": ("grad.send",), "act.rstore": ("act.roffload",),
            "act.ronload": ("act.rserve",)}
 _TYPE_ORDER = ("missing", "wrong_rank", "lane_mapping", "wrong_lane", "dependency", "onload_before_offload",
                "collective_order", "order", "unplanned")
-
-
-class PlanError(TraceError):
-    """A plan that cannot be used (one line naming what is wrong)."""
 
 
 @dataclass
@@ -73,8 +71,12 @@ class Report:
         return [v for v in self.violations if v.type == type_]
 
     def to_json(self) -> dict:
-        return {"format": "k3sched.validation/1", "conforms": self.conforms,
-                "violations": [asdict(v) for v in self.violations], "metrics": _jsonable(self.metrics)}
+        """The report document (``k3sched.validation/1``), checked against its schema
+        (``traces.schema.ValidationReport``): a report that does not follow it is a bug here."""
+        doc = {"format": "k3sched.validation/1", "conforms": self.conforms,
+               "violations": [_jsonable(asdict(v)) for v in self.violations], "metrics": _jsonable(self.metrics)}
+        check_report(doc)
+        return doc
 
     def render(self, max_violations: int = 40) -> str:
         return _render(self, max_violations)
@@ -82,25 +84,25 @@ class Report:
 
 # ---- plan ------------------------------------------------------------------------------
 
-def load_plan(path) -> dict:
+def load_plan(path, *, typed: bool = False):
+    """Read a plan.json and check it against its schema (``traces.schema.Plan``: types, then the
+    cross-field rules, [Note: front doors]). Returns the document (a dict), or with
+    ``typed=True`` the checked :class:`traces.schema.Plan`. Raises :class:`PlanError` (one line
+    naming the file, the field path, the value and what is allowed)."""
     from traces.chrome import load_json
+    from traces.events import TraceError
 
     try:
-        plan = load_json(path)
+        doc = load_json(path)
     except TraceError as e:
         raise PlanError(str(e)) from None
-    check_plan(plan, str(path))
-    return plan
+    plan = _check_plan_schema(doc, str(path))
+    return plan if typed else doc
 
 
-def check_plan(plan, where: str = "plan") -> None:
-    if not isinstance(plan, dict):
-        raise PlanError(f"{where}: not a plan (expected a JSON object)")
-    fmt = plan.get("format")
-    if not isinstance(fmt, str) or not fmt.startswith(PLAN_FORMAT_PREFIX):
-        raise PlanError(f"{where}: not a k3sched plan (format {fmt!r}, expected 'k3sched.plan/1')")
-    if not isinstance(plan.get("stages"), list) or not isinstance(plan.get("lanes"), list):
-        raise PlanError(f"{where}: plan lacks 'stages' or 'lanes'")
+def check_plan(plan, where: str = "plan") -> Plan:
+    """Check a plan document (a dict) against its schema; returns it typed. Raises PlanError."""
+    return _check_plan_schema(plan, where)
 
 
 @dataclass
@@ -120,46 +122,40 @@ class _Plan:
     step_time_us: float
 
 
-def _index_plan(plan: dict) -> _Plan:
-    check_plan(plan)
-    lanes = list(plan["lanes"])
+def _index_plan(plan) -> _Plan:
+    typed = plan if isinstance(plan, Plan) else check_plan(plan)
+    lanes = list(typed.lanes)
     ids, stage, lane, pos, start, end, kind, deps, tasks = [], [], [], [], [], [], [], [], []
-    try:
-        for st in plan["stages"]:
-            for li, ln in enumerate(lanes):
-                for p, t in enumerate(st["lanes"].get(ln, [])):
-                    ids.append(t["id"]); stage.append(int(t.get("stage", st["stage"]))); lane.append(li)  # noqa: E702
-                    pos.append(p); start.append(float(t["start_us"])); end.append(float(t["end_us"]))  # noqa: E702
-                    kind.append(t["kind"]); deps.append(t.get("deps") or []); tasks.append(t)  # noqa: E702
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PlanError(f"plan: malformed task entry ({type(e).__name__}: {e})") from None
-    index = {t: i for i, t in enumerate(ids)}
-    if len(index) != len(ids):
-        dup = next(t for t in ids if ids.count(t) > 1)
-        raise PlanError(f"plan: task id {dup!r} appears twice")
+    for st in typed.stages:
+        for li, ln in enumerate(lanes):
+            for p, t in enumerate(st.lanes.get(ln, [])):
+                ids.append(t.id); stage.append(t.stage); lane.append(li); pos.append(p)  # noqa: E702
+                start.append(t.start_us); end.append(t.end_us); kind.append(t.kind)  # noqa: E702
+                deps.append(t.deps); tasks.append(t)  # noqa: E702
+    index = {t: i for i, t in enumerate(ids)}  # unique, and every dep is one of them (the schema)
     dep_ptr = np.zeros(len(ids) + 1, dtype=np.int64)
     dep_list = []
     for i, ds in enumerate(deps):
-        known = [index[d] for d in ds if d in index]
+        known = [index[d] for d in ds]
         dep_list.extend(known)
         dep_ptr[i + 1] = dep_ptr[i] + len(known)
     # onload -> offload pairs: by buffer, else by (stage, mb, layer, chunk)
     by_buf, by_scope = {}, {}
     for i, t in enumerate(tasks):
-        if t["kind"] in _ONLOAD_OF.values():
-            if t.get("buffer"):
-                by_buf[(t["kind"], t["buffer"])] = i
-            by_scope[(t["kind"], stage[i], t.get("mb"), t.get("layer"), t.get("chunk"))] = i
+        if t.kind in _ONLOAD_OF.values():
+            if t.buffer:
+                by_buf[(t.kind, t.buffer)] = i
+            by_scope[(t.kind, stage[i], t.mb, t.layer, t.chunk)] = i
     pairs = []
     for i, t in enumerate(tasks):
-        off_kind = _ONLOAD_OF.get(t["kind"])
+        off_kind = _ONLOAD_OF.get(t.kind)
         if off_kind:
-            j = by_buf.get((off_kind, t.get("buffer"))) if t.get("buffer") else None
+            j = by_buf.get((off_kind, t.buffer)) if t.buffer else None
             if j is None:
-                j = by_scope.get((off_kind, stage[i], t.get("mb"), t.get("layer"), t.get("chunk")))
+                j = by_scope.get((off_kind, stage[i], t.mb, t.layer, t.chunk))
             if j is not None:
                 pairs.append((i, j))
-    step = (plan.get("metrics") or {}).get("step_time_us")
+    step = typed.metrics.step_time_us if typed.metrics is not None else None
     if not step:
         step = (max(end) - min(start)) if ids else 0.0
     return _Plan(ids, index, np.array(stage, np.int64), np.array(lane, np.int64), np.array(pos, np.int64),
@@ -231,10 +227,11 @@ def _lis_mask(seq: np.ndarray) -> np.ndarray:
 
 # ---- validation ------------------------------------------------------------------------
 
-def validate(plan: dict, events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, cross_rank_clocks: bool = False,
+def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, cross_rank_clocks: bool = False,
              only_traced_stages: bool = False) -> Report:
     """Validate ``events`` (an EventTable, or a list of them) against ``plan`` (a plan.json
-    dict); see [Note: validation rules]. ``only_traced_stages``: do not report stages no rank
+    dict, checked against its schema here, or an already checked :class:`traces.schema.Plan`);
+    see [Note: validation rules]. ``only_traced_stages``: do not report stages no rank
     ran as missing (validating a subset of the ranks)."""
     if isinstance(events, (list, tuple)):
         events = EventTable.concat(list(events))
