@@ -257,3 +257,111 @@ def add_task(events, name: str, rank: int, tid: int, ts: float, dur: float = 10.
     ev = copy.deepcopy(events)
     ev.append({"ph": "X", "name": name, "cat": "x", "ts": ts, "dur": dur, "pid": rank, "tid": tid, "args": {}})
     return ev
+
+
+# --- Nsight Systems SQLite and Kineto JSON of an ideal run (tests, fuzzing, benchmarks/bench_validate.py)
+
+NSYS_TABLES = ["StringIds", "NVTX_EVENTS", "CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_RUNTIME", "META_DATA_EXPORT"]
+NSYS_SCHEMA = {  # the columns of the real export (schema 3.25) that the reader uses
+    "StringIds": "CREATE TABLE StringIds (id INTEGER NOT NULL PRIMARY KEY, value TEXT NOT NULL)",
+    "NVTX_EVENTS": "CREATE TABLE NVTX_EVENTS (start INTEGER NOT NULL, end INTEGER, eventType INTEGER NOT NULL, "
+                   "rangeId INTEGER, category INTEGER, color INTEGER, text TEXT, globalTid INTEGER, "
+                   "endGlobalTid INTEGER, textId INTEGER, domainId INTEGER)",
+    "CUPTI_ACTIVITY_KIND_KERNEL": "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER NOT NULL, end INTEGER NOT "
+                                  "NULL, deviceId INTEGER NOT NULL, contextId INTEGER NOT NULL, streamId INTEGER NOT "
+                                  "NULL, correlationId INTEGER, globalPid INTEGER, demangledName INTEGER NOT NULL, "
+                                  "shortName INTEGER NOT NULL, gridX INTEGER NOT NULL)",
+    "CUPTI_ACTIVITY_KIND_RUNTIME": "CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER NOT NULL, end INTEGER NOT "
+                                   "NULL, eventClass INTEGER NOT NULL, globalTid INTEGER, correlationId INTEGER, "
+                                   "nameId INTEGER NOT NULL, returnValue INTEGER NOT NULL, callchainId INTEGER)",
+    "META_DATA_EXPORT": "CREATE TABLE META_DATA_EXPORT (name TEXT NOT NULL, value TEXT)",
+}
+
+
+def _insert(con, table: str, cols: dict, n: int) -> None:
+    """Insert n rows: given columns (arrays or scalars); other NOT NULL columns get 0 / ''."""
+    import numpy as np
+
+    info = con.execute(f"PRAGMA table_info({table})").fetchall()
+    names = [r[1] for r in info]
+    data = []
+    for name, typ, notnull in ((r[1], r[2], r[3]) for r in info):
+        v = cols.get(name, None if not notnull else ("" if typ == "TEXT" else 0))
+        data.append(v.tolist() if isinstance(v, np.ndarray) else [v] * n)
+    con.executemany(f"INSERT INTO {table} ({','.join(names)}) VALUES ({','.join('?' * len(names))})", zip(*data))
+
+
+def nsys_sqlite(path, plan: dict, n_kernels: int, ddl: dict | None = None, seed: int = 0) -> None:
+    """Write an Nsight Systems SQLite export of an ideal run of ``plan``: one process per stage
+    (= rank), one thread per lane, one NVTX push/pop range per task at its planned time, and
+    ``n_kernels`` kernels launched from inside the ranges (runtime rows with correlation ids), each
+    lane's kernels on its own stream. ``ddl``: CREATE TABLE statements per table (default
+    :data:`NSYS_SCHEMA`)."""
+    import sqlite3
+
+    import numpy as np
+
+    ddl = ddl or NSYS_SCHEMA
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    for t in NSYS_TABLES:
+        con.execute(ddl[t])
+    tasks = plan_tasks(plan)
+    ids = [t["id"] for t in tasks]
+    n = len(tasks)
+    _insert(con, "StringIds", {"id": np.arange(n + 2), "value": np.array(ids + ["gemm_kernel", "cudaLaunchKernel"],
+                                                                          dtype=object)}, n + 2)
+    stage = np.array([t["stage"] for t in tasks])
+    lane = np.array([LANES.index(t["lane"]) for t in tasks])
+    pid = 1000 + 1000 * stage
+    gtid = (pid << 24) | (pid + 1 + lane)
+    t0 = 10**9
+    start = t0 + (np.array([t["start_us"] for t in tasks]) * 1e3).astype(np.int64)
+    end = t0 + (np.array([t["end_us"] for t in tasks]) * 1e3).astype(np.int64)
+    _insert(con, "NVTX_EVENTS", {"start": start, "end": end, "eventType": 59, "globalTid": gtid,
+                                 "textId": np.arange(n), "domainId": 0}, n)
+    # kernels: spread over the task ranges, launched inside each range
+    owner = np.sort(np.random.default_rng(seed).integers(0, n, n_kernels))
+    first = np.searchsorted(owner, np.arange(n))
+    k_in = np.arange(n_kernels) - first[owner]
+    per = np.bincount(owner, minlength=n)
+    span = (end - start)[owner]
+    launch = start[owner] + (k_in + 1) * span // (per[owner] + 2)
+    corr = np.arange(1, n_kernels + 1)
+    kpid = pid[owner]
+    _insert(con, "CUPTI_ACTIVITY_KIND_RUNTIME", {"start": launch, "end": launch + 50, "eventClass": 1,
+                                                 "globalTid": gtid[owner], "correlationId": corr, "nameId": n + 1,
+                                                 "returnValue": 0}, n_kernels)
+    kstart = launch + 2000
+    _insert(con, "CUPTI_ACTIVITY_KIND_KERNEL", {"start": kstart, "end": kstart + 500, "deviceId": stage[owner],
+                                                "contextId": 1, "streamId": 7 + lane[owner], "correlationId": corr,
+                                                "globalPid": kpid << 24, "demangledName": n, "shortName": n,
+                                                "gridX": 1, "tensorSizeMinusOneElements": "[]"}, n_kernels)
+    _insert(con, "META_DATA_EXPORT", {"name": np.array(["EXPORT_SCHEMA_VERSION"], dtype=object),
+                                      "value": np.array(["3.25.0"], dtype=object)}, 1)
+    con.commit()
+    con.close()
+
+
+def kineto_trace(plan: dict, stage: int, rank: int | None = None, t0_us: float = 1_000_000.0) -> dict:
+    """A PyTorch-profiler (Kineto) JSON of one rank's ideal run of ``plan``'s ``stage``: one
+    ``user_annotation`` range per task on its lane's thread, one ``cuda_runtime`` launch inside it
+    and one ``kernel`` on the lane's stream, joined by correlation id."""
+    ev: list[dict] = []
+    corr = 0
+    st = next(s for s in plan["stages"] if s["stage"] == stage)
+    for lane in plan["lanes"]:
+        tid = lane_tid(lane)
+        for t in st["lanes"].get(lane, []):
+            ts, dur = t["start_us"] + t0_us, t["end_us"] - t["start_us"]
+            corr += 1
+            ev.append({"ph": "X", "cat": "user_annotation", "name": t["id"], "pid": 1, "tid": tid, "ts": ts,
+                       "dur": dur})
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
+                       "ts": ts + dur * 0.1, "dur": dur * 0.05, "args": {"correlation": corr}})
+            ev.append({"ph": "X", "cat": "kernel", "name": "gemm_kernel", "pid": 0, "tid": 7 + LANES.index(lane),
+                       "ts": ts + dur * 0.2, "dur": dur * 0.5,
+                       "args": {"correlation": corr, "stream": 7 + LANES.index(lane), "device": 0}})
+    return {"schemaVersion": 1, "distributedInfo": {"rank": stage if rank is None else rank},
+            "traceEvents": ev, "displayTimeUnit": "ms"}
