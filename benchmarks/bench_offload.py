@@ -4,7 +4,7 @@ step time and measured peak device memory with no offload, local host offload, r
 
     python benchmarks/bench_offload.py [--steps 4]
 
-The planner reads saved bytes measured on the moe code (offload.measure.write_profile). Step
+The planner reads saved bytes measured on the moe code (runtime.measure.write_profile). Step
 time: median of the steps after the first. Peak: max over ranks of the measured device bytes
 (+ bytes held for peers); the plan's prediction beside it.
 """
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from k3sched.config import load_config  # noqa: E402
-from offload.measure import write_profile  # noqa: E402
+from runtime.measure import write_profile  # noqa: E402
 from runtime.launch import run_command  # noqa: E402
 
 TINY = REPO / "configs" / "tiny-cpu.yaml"

@@ -377,11 +377,11 @@ def calibrate(
                                                      "stderr) instead of refusing the file."),
 ) -> None:
     """Fit per-kind durations and per-lane bandwidths from a measured run; write the profile YAML
-    (plan with --set schedule.profile=FILE). See [Note: calibration] in k3sched/calibrate.py."""
+    (plan with --set schedule.profile=FILE). See [Note: calibration] in traces/calibrate.py."""
     _check_out("-o", out)
     from traces.events import TraceError
 
-    from .calibrate import calibrate_files, render
+    from traces.calibrate import calibrate_files, render
 
     try:
         fit = calibrate_files([str(t) for t in traces], str(plan_path), str(out), summary=summary,

@@ -1,9 +1,9 @@
 """Activation manager (storage policies: keep / recompute / fp8 / local host / peer rank), buffer
-pools, sharded gradients with host accumulation, memory accounting, measured activation bytes.
+pools, sharded gradients with host accumulation, memory accounting. (Measuring a config's saved
+activation bytes runs the model, so it lives in the runtime: ``runtime/measure.py``.)
 
 See [Note: activation storage policies] (``manager.py``), [Note: pools and fences] (``pool.py``),
-[Note: sharded gradients] (``gradshard.py``), [Note: measured memory] (``memory.py``) and
-[Note: measured saved bytes] (``measure.py``).
+[Note: sharded gradients] (``gradshard.py``) and [Note: measured memory] (``memory.py``).
 """
 
 from .gradshard import GradShards

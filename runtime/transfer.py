@@ -1,7 +1,7 @@
 """Does a calibration transfer? Fit a profile from one run, predict runs of other configs.
 
 :func:`transfer_check` runs a source config on the shaped-link testbed (``runtime/testbed.py``),
-calibrates from its traces (``k3sched calibrate``, [Note: calibration] in k3sched/calibrate.py),
+calibrates from its traces (``k3sched calibrate``, [Note: calibration] in traces/calibrate.py),
 then, for each target (a list of ``--set`` overrides on top of the source), plans the target with
 the fitted profile and runs it: the prediction error is measured on runs the profile was not
 fitted to. The residual on the source run is reported separately. Used by
@@ -42,7 +42,7 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
     plan. Returns (the fit's residual on the source run, one row per target)."""
-    from k3sched.calibrate import calibrate_files
+    from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan
 

@@ -1,4 +1,4 @@
-"""Calibration ([Note: calibration] in k3sched/calibrate.py): fitting a profile from traces,
+"""Calibration ([Note: calibration] in traces/calibrate.py): fitting a profile from traces,
 the ``k3sched calibrate`` command, and the end-to-end claim on the shaped-link testbed: a profile
 fitted from one run predicts the measured step time of other configs within 10%."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from k3sched.calibrate import Fit, fit_profile, write_profile
+from traces.calibrate import Fit, fit_profile, write_profile
 from k3sched.cli import app
 from k3sched.cost import load_profile
 from traces import synth
@@ -129,7 +129,7 @@ def test_cpu_steal_slope_leaves_compute_no_faster_than_the_probe_measured_it():
     """A least-squares CPU-per-byte slope that would leave the compute ops, together, faster than
     the operator profile measured them with every core busy is lowered to the largest that does not
     ([Note: calibration], ``_cpu_steal``)."""
-    from k3sched.calibrate import _cpu_steal
+    from traces.calibrate import _cpu_steal
     from k3sched.config import load_config
     from k3sched.cost import CostModel
     from k3sched.tasks import Kind

@@ -193,7 +193,7 @@ def test_calibrate_refuses_a_bad_summary_beside_the_traces(tmp_path, change, fie
 
 
 def test_measured_step_from_summary(tmp_path):
-    from k3sched.calibrate import measured_step_from_summary
+    from traces.calibrate import measured_step_from_summary
 
     p = tmp_path / "summary.json"
     p.write_text(json.dumps(SUMMARY))

@@ -16,7 +16,7 @@ from k3sched.cost import CostModel, load_profile
 from k3sched.tasks import Kind
 from offload import ActivationManager, BufferPool, OffloadCorruption, PolicyTable, size_class
 from offload.manager import KEEP, OFFLOAD, OFFLOAD_FP8
-from offload.measure import saved_bytes_profile, write_profile
+from runtime.measure import saved_bytes_profile, write_profile
 from offload.quant import dequantize, quantize
 from runtime.local import local_run
 

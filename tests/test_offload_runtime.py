@@ -2,7 +2,7 @@
 at half of the measured no-offload peak the run trains within the budget (+5%) and bitwise like
 the run without offload; the same for remote offload (stage 0's sets held by stage 1); an
 infeasible budget fails before launch with one line. The planner reads measured saved bytes
-(``offload.measure.write_profile``), so its budget means the runtime's bytes."""
+(``runtime.measure.write_profile``), so its budget means the runtime's bytes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3sched.config import load_config
-from offload.measure import write_profile
+from runtime.measure import write_profile
 from runtime.launch import run_command
 
 REPO = Path(__file__).resolve().parents[1]

@@ -144,7 +144,7 @@ def test_elementwise_recompute_is_bitwise_and_saves_bytes(dispatch_recompute):
 
 
 def test_recompute_profile_and_runtime_follow_the_config():
-    from offload.measure import saved_bytes_profile
+    from runtime.measure import saved_bytes_profile
 
     on = saved_bytes_profile(load_config(TINY, ["schedule.recompute=true"]))
     off = saved_bytes_profile(load_config(TINY))

@@ -41,9 +41,10 @@ No factor is fitted to the source run's step time: the residual on that run is r
 and predictions for other configs are checked by running them (tests/test_calibrate.py,
 benchmarks/bench_overlap.py).
 
-k3sched imports no torch; the trace readers (``traces``) are imported lazily by
-:func:`calibrate_files`, and :func:`fit_profile` takes any EventTable-like object with columns
-``name``, ``rank``, ``start_us``, ``end_us``, ``kind``.
+Calibration lives in ``traces`` because it reads traces and writes what the planner reads: it
+imports the cost model, the config and the planner from ``k3sched``, and nothing in ``k3sched``
+imports it but the CLI (docs/design.md, section 2). It needs no torch. :func:`fit_profile` takes
+any EventTable-like object with columns ``name``, ``rank``, ``start_us``, ``end_us``, ``kind``.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, config_from_dict
-from .cost import CostModel, Profile, load_profile
-from .tasks import Kind
+from k3sched.config import ConfigError, config_from_dict
+from k3sched.cost import CostModel, Profile, load_profile
+from k3sched.tasks import Kind
 
 PROFILE_FORMAT = "k3sched.profile/1"
 COLLECTIVE_LANES = ("ep", "collective")
@@ -352,7 +353,7 @@ def predict_step_us(plan: dict, fit: Fit) -> float:
     """Step time the planner predicts for ``plan``'s config with ``fit`` as its profile."""
     import tempfile
 
-    from .planner import plan as make_plan
+    from k3sched.planner import plan as make_plan
 
     data = dict(plan["config"])
     with tempfile.TemporaryDirectory() as d:
@@ -363,7 +364,7 @@ def predict_step_us(plan: dict, fit: Fit) -> float:
 
 
 def _lane(kind: Kind) -> str:
-    from .tasks import LANE_OF
+    from k3sched.tasks import LANE_OF
 
     return LANE_OF[kind]
 

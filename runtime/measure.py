@@ -61,7 +61,7 @@ def saved_bytes_profile(cfg: Config, seed: int = 0) -> dict[str, Any]:
     saved bytes]); returns ``{fwd kind: [w, x], dx kind: n}`` averaged over the config's MoE
     (resp. dense) layers, ready to be written as ``saved_bytes:`` of a profile YAML."""
     from moe import MoEModel
-    from runtime.stage import model_args, synthetic_batch
+    from .stage import model_args, synthetic_batch
 
     args = model_args(cfg)
     torch.manual_seed(seed)
@@ -129,7 +129,7 @@ def write_profile(cfg: Config, path, seed: int = 0) -> dict[str, Any]:
     """Write a profile YAML holding ``saved_bytes`` measured for ``cfg``; returns the mapping."""
     import yaml
 
-    data = {"format": "k3sched.profile/1", "source": "offload.measure.saved_bytes_profile",
+    data = {"format": "k3sched.profile/1", "source": "runtime.measure.saved_bytes_profile",
             "saved_bytes": saved_bytes_profile(cfg, seed)}
     with open(path, "w") as f:
         yaml.safe_dump(data, f, sort_keys=True)
