@@ -36,8 +36,8 @@ def _sql(path, q):
 @pytest.mark.parametrize("name", NSYS_FILES + KINETO_FILES)
 def test_read_all_real_files(name):
     sub = "nsys" if name.endswith(".sqlite") else "kineto"
-    t = read_trace(REAL / sub / name)
-    assert len(t) > 1000
+    t = read_trace(REAL / sub / name)  # strict: a malformed event would raise (see test_front_traces.py)
+    assert len(t) > 1000 and t.bad_events == 0
     assert set(np.unique(t.kind)) <= {"range", "gpurange", "kernel", "nccl", "memcpy", "memset"}
     assert np.all(t.end_us >= t.start_us)
     assert detect_format(REAL / sub / name) == ("nsys" if sub == "nsys" else "kineto")

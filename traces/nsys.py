@@ -29,12 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.events import EventTable, TraceError, classify_kernels, innermost_enclosing
+from traces.events import (ALLOWED_RANK, MAX_RANK, BadEvents, EventTable, TraceError, as_float, as_int,
+                           classify_kernels, innermost_enclosing, show, time_checks)
 
 NVTX_PUSHPOP = 59
 NVTX_STARTEND = 60
 NVTX_MARK = 34
-RANK_MARK_RE = re.compile(r"^k3sched\.rank=(\d+)$")
+RANK_MARK_PREFIX = "k3sched.rank="
+RANK_MARK_RE = re.compile(r"^k3sched\.rank=([0-9]+)$")
 QDSTRM_IMPORTER = "/usr/lib/nsight-systems/host-linux-x64/QdstrmImporter"
 _PID_MASK = -0x1000000  # 0xFFFFFFFFFF000000 as a signed 64-bit SQLite integer
 
@@ -82,32 +84,77 @@ def _check_file(path: Path) -> None:
         raise TraceError(f"{path}: not an SQLite database (bad header)")
 
 
-def read_nsys_sqlite(path: str | os.PathLike, *, kernel_names: str = "demangled") -> EventTable:
+def read_nsys_sqlite(path: str | os.PathLike, *, kernel_names: str = "demangled",
+                     skip_bad_events: bool = False) -> EventTable:
     """Read an ``nsys export --type sqlite`` file: NVTX push/pop and start/end ranges (kind
     'range', device -1, tid = OS thread), kernels ('kernel' or 'nccl'), memcpy, memset (device,
     tid = stream, ``parent`` = enclosing NVTX range, see [Note: kernel projection]).
-    ``kernel_names``: 'demangled' or 'short'. Raises TraceError for an unreadable file."""
+    ``kernel_names``: 'demangled' or 'short'. Raises TraceError for an unreadable file, and for
+    malformed rows ([Note: malformed events] in ``traces.events``: text or NULL where a number is
+    needed, NULL / negative / reversed times, a ``k3sched.rank=N`` mark that names no rank) unless
+    ``skip_bad_events``, which drops them and counts them in the table's ``bad_events``."""
     path = Path(path)
     _check_file(path)
     try:
         con = _connect(path)
         try:
-            return _read(con, path, kernel_names)
+            return _read(con, path, kernel_names, skip_bad_events)
         finally:
             con.close()
     except sqlite3.DatabaseError as e:
         raise TraceError(f"{path}: corrupt or truncated SQLite database ({e})") from None
 
 
-def _fetch_np(con: sqlite3.Connection, sql: str, ncols: int) -> list[np.ndarray]:
+def _fetch(con: sqlite3.Connection, sql: str, ncols: int) -> list[list]:
+    """The result set as one Python list per column (values as SQLite has them)."""
     rows = con.execute(sql).fetchall()
     if not rows:
-        return [np.empty(0, dtype=object) for _ in range(ncols)]
-    cols = list(zip(*rows))
-    return [np.asarray(c) for c in cols]
+        return [[] for _ in range(ncols)]
+    return [list(c) for c in zip(*rows)]
 
 
-def _read(con: sqlite3.Connection, path: Path, kernel_names: str) -> EventTable:
+def _rowid(con: sqlite3.Connection, table: str, alias: str) -> str:
+    """``alias.rowid`` where the table has one (not a view, not WITHOUT ROWID), else NULL."""
+    try:
+        con.execute(f'SELECT rowid FROM "{table}" LIMIT 0')
+        return f"{alias}.rowid"
+    except sqlite3.OperationalError:
+        return "NULL"
+
+
+def _positions(rowids: list) -> np.ndarray:
+    """Row positions for messages: the rowid, else the place in the result set."""
+    if set(map(type, rowids)) <= {int}:
+        return np.array(rowids, dtype=np.int64)
+    return np.array([r if type(r) is int else i for i, r in enumerate(rowids)], dtype=np.int64)
+
+
+def _span_checks(s: list, e: list) -> tuple[list, np.ndarray, np.ndarray]:
+    """Checks of ``start`` / ``end`` columns in ns (numbers, finite, >= 0, end >= start); and
+    both in µs."""
+    sf, s_nn = as_float(s)
+    ef, e_nn = as_float(e)
+    checks = time_checks("start", s, sf, s_nn, sql=True, scale=1e3) + time_checks("end", e, ef, e_nn, sql=True,
+                                                                                    scale=1e3)
+    checks.append((np.isfinite(sf) & np.isfinite(ef) & (ef < sf),
+                   lambda i: f"end {e[i]!r} is before start {s[i]!r} (allowed: end >= start)"))
+    return checks, sf / 1e3, ef / 1e3
+
+
+def _int_check(label: str, v: list, allowed: str, lo: int = -(1 << 63), hi: int = 1 << 63,
+               nullable: bool = False) -> tuple[list, np.ndarray]:
+    """Checks of an integer column ``lo <= v < hi`` (with ``nullable``, NULL is allowed and
+    reads as -1), and its values."""
+    a, m = as_int(v, lo, hi)
+    if nullable and None in v:
+        null = np.fromiter((x is None for x in v), bool, len(v))
+        m &= ~null
+        a[null] = -1
+    checks = [(m, lambda i: f"{label} {show(v[i], sql=True)} is not {allowed}")] if m.any() else []
+    return checks, a
+
+
+def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_events: bool = False) -> EventTable:
     tables = _tables(con)
     gpu_tables = [t for t in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY",
                               "CUPTI_ACTIVITY_KIND_MEMSET") if t in tables]
@@ -116,6 +163,7 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str) -> EventTable:
         raise TraceError(f"{path}: missing required tables: neither NVTX_EVENTS nor CUPTI_ACTIVITY_KIND_* "
                          f"(tables found: {found}); is this an nsys export?")
     has_strings = "StringIds" in tables
+    bad = BadEvents(path)
 
     # ---- NVTX ranges (and rank marks) -------------------------------------------------
     r_gtid = np.empty(0, np.int64)
@@ -132,24 +180,41 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str) -> EventTable:
         if "textId" in cols and has_strings:
             text = f"COALESCE({text}, s.value)"
             join = "LEFT JOIN StringIds s ON s.id = n.textId"
-        sql = (f"SELECT n.start, n.end, n.globalTid, {text} FROM NVTX_EVENTS n {join} "
-               f"WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) AND n.end IS NOT NULL")
-        s, e, g, t = _fetch_np(con, sql, 4)
-        r_start, r_end = s.astype(np.float64) / 1e3, e.astype(np.float64) / 1e3
-        r_gtid = g.astype(np.int64) if len(g) else np.empty(0, np.int64)
-        r_text = np.where(t == None, "", t).astype(object) if len(t) else np.empty(0, object)  # noqa: E711
-        for gt, txt in con.execute(f"SELECT n.globalTid, {text} FROM NVTX_EVENTS n {join} "
-                                   f"WHERE n.eventType IN ({NVTX_MARK}, {NVTX_PUSHPOP}, {NVTX_STARTEND}) "
-                                   f"AND {text} LIKE 'k3sched.rank=%'"):
-            m = RANK_MARK_RE.match(txt or "")
-            if m and gt is not None:
-                rank_marks[(int(gt) >> 24) & 0xFFFFFF] = int(m[1])
+        sql = (f"SELECT {_rowid(con, 'NVTX_EVENTS', 'n')}, n.eventType, n.start, n.end, n.globalTid, {text} "
+               f"FROM NVTX_EVENTS n {join} WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) "
+               f"OR (n.eventType = {NVTX_MARK} AND {text} LIKE '{RANK_MARK_PREFIX}%')")
+        rid, et, s, e, g, t = _fetch(con, sql, 6)
+        is_range = np.fromiter((x != NVTX_MARK for x in et), bool, len(et))
+        checks, sf, ef = _span_checks(s, e)
+        checks = [(m & is_range, r) for m, r in checks]
+        gc, gi = _int_check("globalTid", g, "a thread id (allowed: an integer)")
+        checks += gc
+        if not set(map(type, t)) <= {str, type(None)}:
+            checks.append((np.fromiter((x is not None and type(x) is not str for x in t), bool, len(t)),
+                           lambda i: f"text {show(t[i], sql=True)} is not a string (allowed: text or NULL)"))
+        marks = {i: x for i, x in enumerate(t) if type(x) is str and x.startswith(RANK_MARK_PREFIX)}
+        mark_rank = {}
+        for i, x in marks.items():
+            m = RANK_MARK_RE.match(x)
+            if m and int(m[1]) < MAX_RANK:
+                mark_rank[i] = int(m[1])
+        if len(mark_rank) < len(marks):
+            mm = np.zeros(len(t), bool)
+            mm[[i for i in marks if i not in mark_rank]] = True
+            checks.append((mm, lambda i: f"rank mark {show(t[i], sql=True)} names no rank ({ALLOWED_RANK})"))
+        ok = bad.check(checks, _positions(rid), lambda p: f"NVTX_EVENTS row {p}", order=0)
+        for i, r in mark_rank.items():
+            if ok[i]:
+                rank_marks[(int(gi[i]) >> 24) & 0xFFFFFF] = r
+        sel = ok & is_range
+        r_start, r_end, r_gtid = sf[sel], ef[sel], gi[sel]
+        r_text = np.array([x or "" for x, k in zip(t, sel.tolist()) if k] + [None], dtype=object)[:-1]
 
     # ---- GPU activity -----------------------------------------------------------------
     gpu: list[dict] = []
     runtime_cols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME") if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables else set()
     can_project = {"correlationId", "globalTid", "start"} <= runtime_cols
-    for table in gpu_tables:
+    for order, table in enumerate(gpu_tables, start=1):
         cols = _columns(con, table)
         need = {"start", "end", "streamId"}
         if not need <= cols:
@@ -167,35 +232,57 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str) -> EventTable:
         else:
             name, extra = "NULL", "0"
         pid_of = "a.globalPid" if "globalPid" in cols else "NULL"
+        rid = _rowid(con, table, "a")
         if can_project and "correlationId" in cols:
             on = "r.correlationId = a.correlationId"
             if "globalPid" in cols:
                 on += f" AND (r.globalTid & {_PID_MASK}) = a.globalPid"
-            sql = (f"SELECT a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
+            sql = (f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
                    f"r.globalTid, r.start FROM {table} a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON {on}")
         else:
-            sql = (f"SELECT a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
+            sql = (f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
                    f"NULL, NULL FROM {table} a")
-        vals = _fetch_np(con, sql, 10)
-        if not len(vals[0]):
+        v = _fetch(con, sql, 11)
+        if not v[0]:
             continue
-        gpu.append({"table": table, "start": vals[0].astype(np.float64) / 1e3, "end": vals[1].astype(np.float64) / 1e3,
-                    "device": vals[2].astype(np.int32), "stream": vals[3].astype(np.int64),
-                    "bytes": vals[4].astype(np.int64), "nameid": vals[5], "extra": vals[6].astype(np.int64),
-                    "gpid": _int_or(vals[7], -1), "rgtid": _int_or(vals[8], -1),
-                    "rstart": _float_or(vals[9], np.nan) / 1e3})
+        checks, start, end = _span_checks(v[1], v[2])
+        c, device = _int_check("deviceId", v[3], "a device (allowed: an integer -1 <= id < 2^31)", -1, 1 << 31)
+        checks += c
+        c, stream = _int_check("streamId", v[4], "a stream id (allowed: an integer)")
+        checks += c
+        c, nb = _int_check("bytes", v[5], "a byte count (allowed: an integer >= 0)", 0)
+        checks += c
+        c, nameid = _int_check(name.removeprefix("a."), v[6], "a StringIds id (allowed: an integer)",
+                               nullable=name == "NULL")
+        checks += c
+        c, kindid = _int_check("copyKind", v[7], "a copy kind (allowed: an integer)")
+        checks += c
+        c, gpid = _int_check("globalPid", v[8], "a process id (allowed: an integer or NULL)", nullable=True)
+        checks += c
+        c, rgtid = _int_check("launching runtime call's globalTid", v[9], "a thread id (allowed: an integer)",
+                              nullable=True)
+        checks += c
+        rs, rs_nn = as_float(v[10])
+        null_rs = np.fromiter((x is None for x in v[10]), bool, len(v[10]))
+        checks.append((rs_nn & ~null_rs, lambda i: f"launching runtime call's start {show(v[10][i], sql=True)} "
+                                                   f"is not a number"))
+        ok = bad.check(checks, _positions(v[0]), lambda p, table=table: f"{table} row {p}", order=order)
+        gpu.append({"table": table, "start": start[ok], "end": end[ok], "device": device[ok].astype(np.int32),
+                    "stream": stream[ok], "bytes": nb[ok], "nameid": nameid[ok], "extra": kindid[ok],
+                    "gpid": gpid[ok], "rgtid": rgtid[ok], "rstart": rs[ok] / 1e3})
 
     # ---- names of kernels / copies ----------------------------------------------------
     copy_names = {}
     if "ENUM_CUDA_MEMCPY_OPER" in tables and {"id", "label"} <= _columns(con, "ENUM_CUDA_MEMCPY_OPER"):
-        copy_names = {int(i): str(lbl) for i, lbl in con.execute("SELECT id, label FROM ENUM_CUDA_MEMCPY_OPER")}
+        copy_names = {i: str(lbl) for i, lbl in con.execute("SELECT id, label FROM ENUM_CUDA_MEMCPY_OPER")
+                      if type(i) is int}
     for g in gpu:
         if g["table"].endswith("KERNEL"):
-            ids = _int_or(g["nameid"], -1)
-            uniq, inv = np.unique(ids, return_inverse=True)
+            uniq, inv = np.unique(g["nameid"], return_inverse=True)
             lookup = dict(con.execute(f"SELECT id, value FROM StringIds WHERE id IN ({','.join(map(str, uniq.tolist()))})")
                           ) if has_strings and len(uniq) else {}
-            names = np.array([lookup.get(i, "kernel") for i in uniq.tolist()], dtype=object)
+            names = np.array([v if type(v := lookup.get(i)) is str else "kernel" for i in uniq.tolist()] + [None],
+                             dtype=object)[:-1]
             g["name"] = names[inv]
             g["kind"] = classify_kernels(g["name"])
         elif g["table"].endswith("MEMCPY"):
@@ -230,19 +317,7 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str) -> EventTable:
         parts.append(EventTable.build(name=g["name"], start_us=g["start"], end_us=g["end"], kind=g["kind"],
                                       rank=to_rank(gp), device=g["device"], tid=g["stream"], bytes=g["bytes"],
                                       parent=parent))
-    return EventTable.concat(parts)
-
-
-def _int_or(a: np.ndarray, default: int) -> np.ndarray:
-    if a.dtype != object:
-        return a.astype(np.int64)
-    return np.array([default if v is None else v for v in a.tolist()], dtype=np.int64)
-
-
-def _float_or(a: np.ndarray, default: float) -> np.ndarray:
-    if a.dtype != object:
-        return a.astype(np.float64)
-    return np.array([default if v is None else v for v in a.tolist()], dtype=np.float64)
+    return bad.finish(EventTable.concat(parts), skip_bad_events)
 
 
 # ---- recording -------------------------------------------------------------------------
