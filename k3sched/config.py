@@ -3,22 +3,39 @@
 Four sections: ``model``, ``parallel``, ``hardware``, ``schedule``. Units: memory in GiB,
 bandwidth in GB/s (1e9 bytes/s, one direction), latency in microseconds, compute in TFLOP/s.
 Invariants are checked where the config is built; a violation raises :class:`ConfigError` whose
-message is one line naming the field and what is allowed.
+message is one line: ``<file or field>: <what is wrong> (got <value>); allowed: <what>``.
+
+[Note: config limits] Every number is checked strictly: a YAML boolean (``yes``, ``true``) is no
+number, an integer field takes no float, and every float is finite (no ``.nan`` / ``.inf``). Each
+field states its range in its description; the upper limits are far above real models (Kimi K2:
+61 layers, hidden 7168, 384 experts, seq_len 4096) and keep every quantity the planner derives
+finite and within int64 bytes. Sizes that are each allowed but together make a plan too large to
+compute in reasonable time are refused before planning by :mod:`k3sched.limits`
+(``schedule.max_tasks``).
 """
 
 from __future__ import annotations
 
+import math
+import re
+import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 GiB = 1 << 30
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file larger than this (1 MiB) is refused unread: configs are a few hundred bytes."""
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
 STRATEGIES = ("k3", "serial")
+DEFAULT_MAX_TASKS = 200_000
+"""Default ``schedule.max_tasks`` (see [Note: config limits])."""
+MAX_TASKS_LIMIT = 100_000_000
+"""The most ``schedule.max_tasks`` may be raised to."""
 
 
 class ConfigError(ValueError):
@@ -26,40 +43,52 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True)
+
+
+def _int(lo: int, hi: int, **kw: Any) -> Any:
+    """An integer field in [lo, hi] (strict: no bool, no float)."""
+    return Field(ge=lo, le=hi, **kw)
+
+
+def _float(lo: float, hi: float, *, open_low: bool = True, **kw: Any) -> Any:
+    """A finite float field in (lo, hi] (``open_low``) or [lo, hi]; an int is taken as a float."""
+    low = {"gt": lo} if open_low else {"ge": lo}
+    return Field(le=hi, allow_inf_nan=False, **low, **kw)
 
 
 class ModelConfig(_Section):
     name: str = "moe"
     """Free-form model name, shown in reports."""
-    layers: int = Field(gt=0)
-    """Number of transformer blocks."""
-    dense_layers: int = Field(default=0, ge=0)
-    """The first ``dense_layers`` blocks use a dense SwiGLU MLP instead of MoE (K2: 1, DSv3: 3)."""
-    hidden: int = Field(gt=0)
-    """Model (residual stream) width."""
-    heads: int = Field(gt=0)
-    """Attention heads; must divide ``hidden``."""
-    experts: int = Field(gt=0)
-    """Routed experts per MoE layer."""
-    top_k: int = Field(gt=0)
-    """Experts each token is routed to."""
-    shared_experts: int = Field(default=1, ge=0)
-    """Shared experts, replicated on every EP rank."""
-    expert_hidden: int = Field(gt=0)
-    """SwiGLU hidden width of one routed (and shared) expert."""
-    dense_hidden: int = Field(default=0, ge=0)
-    """SwiGLU hidden width of the dense layers (0: 4 x hidden)."""
-    vocab: int = Field(default=32000, gt=0)
-    """Vocabulary size (embedding and output head)."""
-    seq_len: int = Field(gt=0)
-    """Sequence length in tokens."""
-    micro_batch_size: int = Field(default=1, gt=0)
-    """Sequences per micro-batch per rank."""
+    layers: int = _int(1, 4096)
+    """Number of transformer blocks, 1..4096."""
+    dense_layers: int = _int(0, 4096, default=0)
+    """The first ``dense_layers`` blocks use a dense SwiGLU MLP instead of MoE (K2: 1, DSv3: 3);
+    0..layers."""
+    hidden: int = _int(1, 1 << 20)
+    """Model (residual stream) width, 1..1048576 (2^20)."""
+    heads: int = _int(1, 65536)
+    """Attention heads, 1..65536; must divide ``hidden``."""
+    experts: int = _int(1, 65536)
+    """Routed experts per MoE layer, 1..65536."""
+    top_k: int = _int(1, 65536)
+    """Experts each token is routed to, 1..experts."""
+    shared_experts: int = _int(0, 1024, default=1)
+    """Shared experts, replicated on every EP rank, 0..1024."""
+    expert_hidden: int = _int(1, 1 << 20)
+    """SwiGLU hidden width of one routed (and shared) expert, 1..1048576 (2^20)."""
+    dense_hidden: int = _int(0, 1 << 22, default=0)
+    """SwiGLU hidden width of the dense layers (0: 4 x hidden), 0..4194304 (2^22)."""
+    vocab: int = _int(1, 1 << 24, default=32000)
+    """Vocabulary size (embedding and output head), 1..16777216 (2^24)."""
+    seq_len: int = _int(1, 1 << 24)
+    """Sequence length in tokens, 1..16777216 (2^24)."""
+    micro_batch_size: int = _int(1, 65536, default=1)
+    """Sequences per micro-batch per rank, 1..65536."""
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Compute and activation dtype."""
-    aux_loss_coef: float = Field(default=0.0, ge=0)
-    """Load-balancing auxiliary loss coefficient."""
+    aux_loss_coef: float = _float(0.0, 1000.0, open_low=False, default=0.0)
+    """Load-balancing auxiliary loss coefficient, 0..1000."""
 
     @property
     def dtype_bytes(self) -> int:
@@ -79,20 +108,20 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    pp: int = Field(default=1, gt=0)
-    """Pipeline-parallel degree (physical stages)."""
-    vpp: int = Field(default=1, gt=0)
-    """Virtual stages (model chunks) per PP rank."""
-    ep: int = Field(default=1, gt=0)
-    """Expert-parallel degree; must divide model.experts."""
-    dp: int = Field(default=1, gt=0)
-    """Data-parallel replicas of the PP x EP group (gradients reduce-scattered over dp)."""
-    microbatches: int = Field(default=1, gt=0)
-    """Micro-batches per training step."""
+    pp: int = _int(1, 1024, default=1)
+    """Pipeline-parallel degree (physical stages), 1..1024."""
+    vpp: int = _int(1, 256, default=1)
+    """Virtual stages (model chunks) per PP rank, 1..256 (pp*vpp <= layers)."""
+    ep: int = _int(1, 65536, default=1)
+    """Expert-parallel degree, 1..65536; must divide model.experts."""
+    dp: int = _int(1, 1 << 20, default=1)
+    """Data-parallel replicas of the PP x EP group (gradients reduce-scattered over dp), 1..1048576."""
+    microbatches: int = _int(1, 65536, default=1)
+    """Micro-batches per training step, 1..65536 (and the plan within ``schedule.max_tasks``)."""
     layer_split: Literal["balanced", "even"] = "balanced"
     """How layers are split over virtual stages: balanced by compute time (embedding and head
     counted) or even by count."""
-    world_size: int | None = Field(default=None, gt=0)
+    world_size: int | None = _int(1, 1 << 40, default=None)
     """Optional: the job's world size; must equal pp * ep * dp."""
 
     @property
@@ -102,37 +131,41 @@ class ParallelConfig(_Section):
 
 class HardwareConfig(_Section):
     name: str = "gpu"
-    peak_tflops: float = Field(gt=0)
-    """Peak dense TFLOP/s of one device at the model dtype."""
-    mfu: float = Field(default=0.5, gt=0, le=1)
-    """Achievable fraction of peak for GEMM-heavy work."""
-    hbm_gbps: float = Field(default=3000.0, gt=0)
-    """Device memory bandwidth (element-wise kernels such as the gradient add)."""
-    device_memory_gb: float = Field(gt=0)
-    """Device memory per rank, GiB."""
-    host_memory_gb: float = Field(default=256.0, gt=0)
-    """Host memory available to one rank, GiB."""
-    gpus_per_node: int = Field(default=8, gt=0)
-    nvlink_gbps: float = Field(default=200.0, gt=0)
-    """Intra-node per-GPU bandwidth, GB/s one direction."""
-    nvlink_latency_us: float = Field(default=3.0, ge=0)
-    internode_gbps: float = Field(default=50.0, gt=0)
-    """Inter-node per-GPU bandwidth (NIC), GB/s one direction."""
-    internode_latency_us: float = Field(default=10.0, ge=0)
-    pcie_gbps: float = Field(default=25.0, gt=0)
-    """Host <-> device copy bandwidth per GPU, GB/s."""
-    pcie_latency_us: float = Field(default=5.0, ge=0)
-    launch_us: float = Field(default=5.0, ge=0)
-    """Fixed per-task overhead (kernel launches, Python dispatch)."""
-    optim_ns_per_param: float | None = Field(default=None, gt=0)
-    """AdamW step time per parameter, ns (``k3sched probe`` measures it); default: 28 bytes per
+    peak_tflops: float = _float(0.0, 1e6)
+    """Peak dense TFLOP/s of one device at the model dtype, > 0 and <= 1e6."""
+    mfu: float = _float(0.0, 1.0, default=0.5)
+    """Achievable fraction of peak for GEMM-heavy work, > 0 and <= 1."""
+    hbm_gbps: float = _float(0.0, 1e6, default=3000.0)
+    """Device memory bandwidth (element-wise kernels such as the gradient add), > 0 and <= 1e6."""
+    device_memory_gb: float = _float(0.0, 1e7)
+    """Device memory per rank, GiB, > 0 and <= 1e7."""
+    host_memory_gb: float = _float(0.0, 1e7, default=256.0)
+    """Host memory available to one rank, GiB, > 0 and <= 1e7."""
+    gpus_per_node: int = _int(1, 65536, default=8)
+    """Ranks per node (EP / DP groups within it use NVLink), 1..65536."""
+    nvlink_gbps: float = _float(0.0, 1e6, default=200.0)
+    """Intra-node per-GPU bandwidth, GB/s one direction, > 0 and <= 1e6."""
+    nvlink_latency_us: float = _float(0.0, 1e6, open_low=False, default=3.0)
+    """Intra-node latency per call or ring step, µs, 0..1e6."""
+    internode_gbps: float = _float(0.0, 1e6, default=50.0)
+    """Inter-node per-GPU bandwidth (NIC), GB/s one direction, > 0 and <= 1e6."""
+    internode_latency_us: float = _float(0.0, 1e6, open_low=False, default=10.0)
+    """Inter-node latency per call or ring step, µs, 0..1e6."""
+    pcie_gbps: float = _float(0.0, 1e6, default=25.0)
+    """Host <-> device copy bandwidth per GPU, GB/s, > 0 and <= 1e6."""
+    pcie_latency_us: float = _float(0.0, 1e6, open_low=False, default=5.0)
+    """Host <-> device copy latency, µs, 0..1e6."""
+    launch_us: float = _float(0.0, 1e6, open_low=False, default=5.0)
+    """Fixed per-task overhead (kernel launches, Python dispatch), µs, 0..1e6."""
+    optim_ns_per_param: float | None = _float(0.0, 1e6, default=None)
+    """AdamW step time per parameter, ns, > 0 and <= 1e6 (``k3sched probe`` measures it); default: 28 bytes per
     parameter (fp32 param, grad, two moments read; param, moments written) at ``hbm_gbps``."""
-    comm_cpu_ns_per_byte: float = Field(default=0.0, ge=0)
-    """CPU time a byte sent or received costs the rank (gloo threads, the kernel's TCP path) when
+    comm_cpu_ns_per_byte: float = _float(0.0, 1e6, open_low=False, default=0.0)
+    """CPU time (ns, 0..1e6) a byte sent or received costs the rank (gloo threads, the kernel's TCP path) when
     lanes are CPU threads (``host_cores`` set); compute that overlaps a transfer is slowed by it.
     ``k3sched probe`` measures it; 0: transfers cost no CPU (NIC DMA, GPUs)."""
-    host_cores: int = Field(default=0, ge=0)
-    """CPU cores the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
+    host_cores: int = _int(0, 1 << 20, default=0)
+    """CPU cores (0..1048576) the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
     rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /
     host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cost.py)."""
 
@@ -142,10 +175,11 @@ class ScheduleConfig(_Section):
     """k3: five-lane co-schedule; serial: one task at a time (no-overlap baseline)."""
     pipeline: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe"] = "1f1b"
     """Pipeline backbone (order of forward / backward chunks per PP rank)."""
-    warmup_extra: int = Field(default=0, ge=0)
-    """Extra warm-up micro-batches for interleaved 1F1B (Kimi K2 uses them to hide EP a2a)."""
-    device_memory_budget: float | None = Field(default=None, gt=0)
-    """Device memory the plan may use per rank, GiB (default: hardware.device_memory_gb)."""
+    warmup_extra: int = _int(0, 65536, default=0)
+    """Extra warm-up micro-batches for interleaved 1F1B (Kimi K2 uses them to hide EP a2a), 0..65536."""
+    device_memory_budget: float | None = _float(0.0, 1e7, default=None)
+    """Device memory the plan may use per rank, GiB, > 0 and <= 1e7 (default: hardware.device_memory_gb;
+    a huge budget such as 2^20 means no limit)."""
     offload: Literal["none", "auto", "all", "remote"] = "auto"
     """Activation offload: none; auto (as much as the budget needs); all; remote (like auto, but every
     set a stage offloads goes to the next stage's memory, the last stage's to its host)."""
@@ -159,16 +193,31 @@ class ScheduleConfig(_Section):
     """EP-DR: keep only the dispatch input and re-run the dispatch a2a in backward."""
     grad_offload: bool = False
     """K3 Pipeline ZeRO-2: fp32 gradient shards in host memory, two chunk buffers on device."""
-    grad_bucket_mb: float = Field(default=256.0, gt=0)
-    """DP reduce-scatter bucket size, MiB: one collective-lane task per bucket."""
-    wgrad_lag: int = Field(default=4, ge=0)
-    """How many backward chunks a WGrad task may trail its dX (k3 strategy)."""
-    lookahead: int = Field(default=1, ge=0)
+    grad_bucket_mb: float = _float(0.001, 1e6, open_low=False, default=256.0)
+    """DP reduce-scatter bucket size, MiB, 0.001 (about 1 KiB)..1e6: one collective-lane task per bucket
+    (the buckets count towards ``max_tasks``)."""
+    wgrad_lag: int = _int(0, 65536, default=4)
+    """How many backward chunks a WGrad task may trail its dX (k3 strategy), 0..65536."""
+    lookahead: int = _int(0, 65536, default=1)
     """k3: backbone slots the compute lane may run ahead while the current slot waits on communication
-    (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do)."""
+    (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do); 0..65536."""
     profile: str | None = None
     """Measured profile YAML whose per-kind durations replace the analytic cost model."""
-    seed: int = 0
+    seed: int = _int(0, (1 << 63) - 1, default=0)
+    """Model and data seed of runs, 0..2^63-1."""
+    max_tasks: int = _int(1, MAX_TASKS_LIMIT, default=DEFAULT_MAX_TASKS)
+    """Largest plan (tasks in one step, counted before they are built) the planner takes on,
+    1..100,000,000; a larger one is refused up front (:mod:`k3sched.limits`). Planning runs at about
+    15-20k tasks/s and 2.5 KB per task (k2-like: 38k tasks, 2 s; tiny-cpu with 2900 micro-batches:
+    197k tasks, 9 s, 0.5 GB), so the default 200,000 keeps a plan within seconds. Written out (plan.json's
+    config) only when not the default: it bounds the planner's work, not what a plan is."""
+
+    @model_serializer(mode="wrap")
+    def _drop_default_limit(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if self.max_tasks == DEFAULT_MAX_TASKS:
+            out.pop("max_tasks", None)
+        return out
 
 
 class Config(_Section):
@@ -220,50 +269,172 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
+class _Loader(yaml.SafeLoader):
+    """Safe YAML with two fixes for configs: ``1e-3`` and ``1.5e3`` are floats (YAML 1.2; PyYAML's
+    1.1 rules read them as strings), and a key given twice in one mapping is an error (PyYAML keeps
+    the last silently)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable key: SafeLoader reports it
+                    break
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {show_value(key)}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def yaml_load(text: str, where: str) -> Any:
+    """Parse YAML ``text`` (see :class:`_Loader`); ConfigError naming ``where`` (a file or a ``--set``
+    item) when it is not valid YAML."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML{at} ({problem}); allowed: YAML text") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply to read; allowed: a few levels "
+                          f"(sections of KEY: VALUE)") from None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlong = 40
+_REPR.maxlevel = 2
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+_MAX_SHOWN = 160
+
+
+def show_value(value: Any) -> str:
+    """``value`` as an error message quotes it: one short line, whatever its size or nesting."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {math.inf: ".inf", -math.inf: "-.inf"}.get(value, ".nan")
+    text = _REPR.repr(value).replace("\n", " ")
+    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN - 3] + "..."
+
+
+def _bounds(meta: list) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in meta:
+        for k in ("gt", "ge", "lt", "le"):
+            if getattr(m, k, None) is not None:
+                out[k] = getattr(m, k)
+    return out
+
+
+def allowed_values(section: str, name: str) -> str:
+    """What field ``section.name`` accepts, in words (for error messages)."""
+    cls = _SECTIONS[section]
+    f = cls.model_fields[name]
+    ann = f.annotation
+    args = [a for a in get_args(ann) if a is not type(None)] if get_origin(ann) is not Literal else []
+    optional = len(args) < len(get_args(ann)) and get_origin(ann) is not Literal
+    base = args[0] if optional and len(args) == 1 else ann
+    b = _bounds(f.metadata)
+    if base is bool:
+        text = "true or false"
+    elif base is int:
+        lo = b["ge"] if "ge" in b else b.get("gt", 0) + 1
+        text = f"an integer from {lo} to {b['le']}" if "le" in b else f"an integer >= {lo}"
+    elif base is float:
+        low = f"> {b['gt']:g}" if "gt" in b else f">= {b.get('ge', 0):g}"
+        text = f"a finite number {low} and <= {b['le']:g}" if "le" in b else f"a finite number {low}"
+    elif get_origin(base) is Literal:
+        text = "one of " + ", ".join(str(a) for a in get_args(base))
+    elif base is str:
+        text = "a string"
+    else:
+        text = str(base)
+    if optional:
+        text += ", or empty (unset)"
+    return text
+
+
 def _format_pydantic_error(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = ".".join(str(x) for x in e["loc"])
     typ = e["type"]
+    section = str(e["loc"][0]) if e["loc"] else ""
     if typ == "extra_forbidden":
-        section = e["loc"][0] if len(e["loc"]) > 1 else None
-        allowed = _allowed_keys(section)
+        sec = section if len(e["loc"]) > 1 else None
+        allowed = _allowed_keys(sec)
         return f"{loc}: unknown key; allowed: {', '.join(allowed)}"
-    if typ == "missing":
-        return f"{loc}: required field is missing"
     if typ == "value_error":  # our own model_validator messages already name the field
         return str(e.get("ctx", {}).get("error", e["msg"]))
-    return f"{loc}: {e['msg']} (got {e.get('input')!r})"
+    if typ == "missing" and len(e["loc"]) == 1:
+        return f"{loc}: required section is missing; allowed: a mapping with keys {', '.join(_allowed_keys(section))}"
+    if len(e["loc"]) == 1 and section in _SECTIONS:  # the section itself is not a mapping
+        return (f"{section}: must be a mapping of KEY: VALUE (got {show_value(e.get('input'))}); allowed: keys "
+                f"{', '.join(_allowed_keys(section))} (leave the section out for its defaults)")
+    name = str(e["loc"][1]) if len(e["loc"]) > 1 else ""
+    allowed = allowed_values(section, name) if section in _SECTIONS and name in _SECTIONS[section].model_fields else ""
+    tail = f"; allowed: {allowed}" if allowed else ""
+    if typ == "missing":
+        return f"{loc}: required field is missing{tail}"
+    value = e.get("input")
+    got = show_value(value)
+    if isinstance(value, bool) and typ in ("int_type", "float_type"):
+        got += " (a YAML boolean: yes/no/on/off/true/false)"
+    return f"{loc}: {e['msg']} (got {got}){tail}"
 
 
 def _allowed_keys(section: str | None) -> list[str]:
-    cls = {"model": ModelConfig, "parallel": ParallelConfig, "hardware": HardwareConfig,
-           "schedule": ScheduleConfig}.get(section or "", Config)
+    cls = _SECTIONS.get(section or "", Config)
     return list(cls.model_fields)
+
+
+_SECTIONS: dict[str, type[_Section]] = {"model": ModelConfig, "parallel": ParallelConfig,
+                                        "hardware": HardwareConfig, "schedule": ScheduleConfig}
+_SET_FORM = f"SECTION.KEY=VALUE with SECTION one of {', '.join(Config.model_fields)} (e.g. parallel.pp=4)"
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
-    if len(parts) != 2 or parts[0] not in Config.model_fields:
-        raise ConfigError(f"--set {dotted}: expected SECTION.KEY with SECTION one of "
-                          f"{', '.join(Config.model_fields)}")
+    if len(parts) != 2 or parts[0] not in Config.model_fields or not parts[1]:
+        raise ConfigError(f"--set {show_value(dotted)[1:-1]}: expected SECTION.KEY (got {show_value(dotted)}); "
+                          f"allowed: {_SET_FORM}")
     data.setdefault(parts[0], {})
     if not isinstance(data[parts[0]], dict):
-        raise ConfigError(f"{parts[0]}: must be a mapping")
+        raise ConfigError(f"{parts[0]}: must be a mapping to set {dotted} in (got {show_value(data[parts[0]])}); "
+                          f"allowed: a mapping of KEY: VALUE")
     data[parts[0]][parts[1]] = value
 
 
 def parse_overrides(items: list[str] | None) -> list[tuple[str, Any]]:
-    """Parse ``key=value`` strings; values are YAML scalars (``4``, ``true``, ``1f1b``)."""
+    """Parse ``key=value`` strings; values are YAML scalars (``4``, ``1e-3``, ``true``, ``1f1b``)."""
     out = []
     for item in items or []:
+        if not isinstance(item, str):
+            raise ConfigError(f"--set {show_value(item)}: expected a string KEY=VALUE; allowed: {_SET_FORM}")
+        shown = show_value(item)
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. parallel.pp=4")
+            raise ConfigError(f"--set {shown}: expected KEY=VALUE, e.g. parallel.pp=4 (got no '='); "
+                              f"allowed: {_SET_FORM}")
         key, raw = item.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        if not key.strip():
+            raise ConfigError(f"--set {shown}: empty key before '='; allowed: {_SET_FORM}")
+        out.append((key.strip(), yaml_load(raw, f"--set {shown}") if raw.strip() else None))
     return out
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping with sections model, parallel, hardware, schedule "
+                          f"(got {show_value(data)}); allowed: a mapping of sections")
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for key, value in parse_overrides(overrides):
         _set_path(data, key, value)
@@ -273,21 +444,36 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -
         raise ConfigError(_format_pydantic_error(err)) from None
 
 
+def read_text_file(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES) -> str:
+    """The UTF-8 text of a small file; ConfigError (one line naming the file) when it is missing, a
+    directory, unreadable, larger than ``limit`` bytes or not UTF-8."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise ConfigError(f"{p}: cannot read {what} (it is a directory); allowed: a YAML file")
+        if p.exists() and not p.is_file():
+            raise ConfigError(f"{p}: cannot read {what} (not a regular file); allowed: a YAML file")
+        with p.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read {what} ({e.strerror or e}); allowed: a readable YAML file") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{p}: {what} is larger than {limit} bytes; allowed: a YAML file of at most {limit} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: {what} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                          f"allowed: a UTF-8 YAML file") from None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Load and validate a YAML config; ``overrides`` are ``SECTION.KEY=VALUE`` strings."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read config ({e.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}") from None
+    text = read_text_file(p, "config")
+    data = yaml_load(text, str(p))
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping with sections model, parallel, hardware, schedule")
+        raise ConfigError(f"{p}: expected a mapping with sections model, parallel, hardware, schedule "
+                          f"(got {show_value(data)}); allowed: a mapping of sections")
     try:
         return config_from_dict(data, overrides)
     except ConfigError as e:

@@ -24,25 +24,27 @@ times slower than on one core of their own (a processor-sharing model that assum
 computes at once; pipeline bubbles make it pessimistic). 0 (the default) means one device per
 rank, as on GPUs. It is a model of the machine, the same for every config, never fitted to a run.
 
-A measured profile (YAML, see :func:`load_profile`) replaces the analytic duration of any kind:
+A measured profile (YAML, see :func:`load_profile`, checked strictly: [Note: profile document])
+replaces the analytic duration of any kind:
 ``durations_us: {attn.fwd: 812.0, ...}`` (per layer and micro-batch), optionally
 ``bandwidth_gbps: {ep: .., collective: .., offload_local: .., offload_remote: ..}`` and
 ``saved_bytes: {attn.fwd: [w, x], attn.dx: n, ...}``: measured activation bytes per layer and
 micro-batch that replace :meth:`CostModel.saved_bytes` (forward kinds: bytes kept until dW, bytes
 kept until dX) and :meth:`CostModel.grad_out_bytes` (dX kinds); a forward kind may also give one
-number N (split like the analytic model). ``offload.measure.write_profile`` measures them on the
-``moe`` code ([Note: measured saved bytes] in ``offload/measure.py``).
+number N (split like the analytic model). ``runtime.measure.write_profile`` measures them on the
+``moe`` code ([Note: measured saved bytes] in ``runtime/measure.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Literal, Union
 
-import yaml
+from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from .config import Config, ConfigError
-from .tasks import LANE_OF, Kind
+from .config import Config, ConfigError, read_text_file, show_value, yaml_load
+from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
 
 _GEMM = {
     Kind.ATTN_FWD, Kind.ATTN_DX, Kind.ATTN_DW, Kind.ROUTER_FWD, Kind.ROUTER_BWD, Kind.SHARED_FWD,
@@ -94,72 +96,122 @@ class Wire:
         return Wire(self.steps + other.steps, ((self.nbytes + other.nbytes, g),), max(self.latency_us, other.latency_us))
 
 
+PROFILE_FORMAT = "k3sched.profile/1"
+_MAX_PROFILE_BYTES = 16 << 20
+_MAX_US = 1e9  # µs: about 17 minutes for one task or one call
+_MAX_SAVED = 1 << 50  # bytes of one activation set (1 PiB)
+_KINDS = tuple(k.value for k in Kind)
+_DX_SAVED = ("attn.dx", "expert.dx", "shared.dx", "mlp.dx", "head.dx")  # CostModel.grad_out_bytes kinds
+_FWD_SAVED = tuple(k.value for k in Kind if k in FWD_KINDS)
+_SAVED_KINDS = _FWD_SAVED + _DX_SAVED
+_COMM_KINDS = tuple(k.value for k in Kind if LANE_OF[k] != "compute")
+# [Note: profile document] A profile YAML is checked strictly and in full before the cost model
+# uses it (ConfigError naming the file, the key path, the value and what is allowed): only the
+# keys below; each section a mapping (a null or a list is an error, leave it out instead); names
+# are task kinds (k3sched.tasks.Kind values), communication kinds (off the compute lane: the only
+# ones with an overhead) or lanes; numbers are finite, never booleans or strings, within the
+# ranges below; ``saved_bytes`` holds integers: N or [w, x] for forward kinds, N for the dX kinds
+# whose output gradient the cost model keeps. Section: (names, what they are, low, low open?,
+# high, unit).
+_PROFILE_MAPS: dict[str, tuple[tuple[str, ...], str, float, bool, float, str]] = {
+    "durations_us": (_KINDS, "task kind", 0.0, False, _MAX_US, "µs per task"),
+    "bandwidth_gbps": (LANES, "lane", 0.0, True, 1e6, "GB/s"),
+    "latency_us": (LANES, "lane", 0.0, False, _MAX_US, "µs per call"),
+    "link_efficiency": (LANES, "lane", 0.0, True, 1.0, "achieved / configured link rate"),
+    "overhead_us": (_COMM_KINDS, "communication kind", 0.0, False, _MAX_US, "µs per task"),
+}
+_CPU_NS = (0.0, False, 1e6)
+
+
+def _finite(low: float, low_open: bool, high: float) -> Any:
+    return Annotated[float, Field(**({"gt": low} if low_open else {"ge": low}), le=high, allow_inf_nan=False)]
+
+
+def _span(low: float, low_open: bool, high: float) -> str:
+    return f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+
+
+_Bytes = Annotated[int, Field(ge=0, le=_MAX_SAVED)]
+_ProfileDoc = create_model(
+    "_ProfileDoc",
+    __config__=ConfigDict(strict=True, extra="forbid"),
+    format=(Literal[PROFILE_FORMAT], PROFILE_FORMAT),
+    source=(str, ""),
+    **{name: (dict[Literal[names], _finite(low, low_open, high)], {})  # type: ignore[valid-type]
+       for name, (names, _, low, low_open, high, _) in _PROFILE_MAPS.items()},
+    comm_cpu_ns_per_byte=(_finite(*_CPU_NS), None),
+    saved_bytes=(dict[Literal[_SAVED_KINDS],  # type: ignore[valid-type]
+                      Union[_Bytes, Annotated[list[_Bytes], Field(min_length=2, max_length=2)]]], {}),
+)
+"""The profile YAML as a strict pydantic model ([Note: profile document])."""
+
+
 def load_profile(path: str | Path) -> Profile:
+    """Read a measured profile YAML (see the module docstring and [Note: profile document]).
+    Raises ConfigError, one line naming the file, the key path, the value and what is allowed."""
     p = Path(path)
+    where = f"schedule.profile: {p}"
     try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"schedule.profile: cannot read {p}: {e}") from None
+        text = read_text_file(p, "profile", _MAX_PROFILE_BYTES)
+        data = yaml_load(text, str(p))
+    except ConfigError as e:
+        raise ConfigError(f"schedule.profile: {e}") from None
+    keys = list(_ProfileDoc.model_fields)
     if not isinstance(data, dict):
-        raise ConfigError(f"schedule.profile: {p} must be a mapping with durations_us / bandwidth_gbps")
-    keys = ("durations_us", "bandwidth_gbps", "latency_us", "link_efficiency", "overhead_us", "comm_cpu_ns_per_byte",
-            "saved_bytes", "format", "source")
-    unknown = set(data) - set(keys)
-    if unknown:
-        raise ConfigError(f"schedule.profile: unknown key {sorted(unknown)[0]!r} in {p}; allowed: {', '.join(keys)}")
-    dur = _numbers(data, "durations_us", p, kinds=True, low=0.0)
-    bw = _numbers(data, "bandwidth_gbps", p, kinds=False, low=0.0, low_open=True)
-    saved: dict[str, int | tuple[int, int]] = {}
-    saved_in = data.get("saved_bytes") or {}
-    if not isinstance(saved_in, dict):
-        raise ConfigError(f"schedule.profile: saved_bytes must be a mapping of task kind: bytes in {p}")
-    for k, v in saved_in.items():
-        try:
-            Kind(str(k))
-            saved[str(k)] = (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else int(v)
-        except (ValueError, TypeError, IndexError, OverflowError):
-            raise ConfigError(f"schedule.profile: saved_bytes: {k!r} must be a task kind with bytes N or [w, x] "
-                              f"in {p}; got {v!r}") from None
-    lat = _numbers(data, "latency_us", p, kinds=False, low=0.0)
-    eff = _numbers(data, "link_efficiency", p, kinds=False, low=0.0, low_open=True, high=1.0)
-    over = _numbers(data, "overhead_us", p, kinds=True, low=0.0)
-    cpu = data.get("comm_cpu_ns_per_byte")
-    cpu = None if cpu is None else _number(cpu, "comm_cpu_ns_per_byte", p, low=0.0)
-    return Profile(dur, bw, str(p), saved, lat, eff, over, cpu)
+        raise ConfigError(f"{where}: must be a mapping (got {show_value(data)}); allowed: keys {', '.join(keys)}")
+    try:
+        doc = _ProfileDoc.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{where}: {_profile_error(err, data)}") from None
+    saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in doc.saved_bytes.items()}
+    for k, v in saved.items():
+        if isinstance(v, tuple) and k in _DX_SAVED:
+            raise ConfigError(f"{where}: saved_bytes: {k} must be one number of bytes (got {list(v)}); allowed: "
+                              f"[w, x] pairs only for forward kinds ({', '.join(_FWD_SAVED)})")
+    return Profile(dict(doc.durations_us), dict(doc.bandwidth_gbps), str(p), saved, dict(doc.latency_us),
+                   dict(doc.link_efficiency), dict(doc.overhead_us), doc.comm_cpu_ns_per_byte)
 
 
-def _number(v, what: str, path: Path, *, low: float, low_open: bool = False, high: float | None = None) -> float:
-    """``v`` as a finite float in [low, high] (``low_open``: > low); one-line ConfigError else."""
-    import math
-
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not (ok and (v > low if low_open else v >= low) and (high is None or v <= high)):
-        span = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-        raise ConfigError(f"schedule.profile: {what} must be a finite number {span} in {path}; got {v!r}")
-    return float(v)
+def _got(value: Any) -> str:
+    text = show_value(value)
+    return text + " (a YAML boolean)" if isinstance(value, bool) else text
 
 
-def _numbers(data: dict, key: str, path: Path, *, kinds: bool, low: float, low_open: bool = False,
-             high: float | None = None) -> dict[str, float]:
-    """``data[key]`` as {name: float}: names are task kinds (``kinds``) or lane names; values as
-    :func:`_number` checks them."""
-    from .tasks import LANES
-
-    raw = data.get(key) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"schedule.profile: {key} must be a mapping of name: number in {path}; got {raw!r}")
-    out = {}
-    for k, v in raw.items():
-        name = str(k)
-        if kinds:
-            try:
-                Kind(name)
-            except ValueError:
-                raise ConfigError(f"schedule.profile: {key}: unknown task kind {name!r} in {path}") from None
-        elif name not in LANES:
-            raise ConfigError(f"schedule.profile: {key}: unknown lane {name!r} in {path}; lanes: {', '.join(LANES)}")
-        out[name] = _number(v, f"{key}: {name}", path, low=low, low_open=low_open, high=high)
-    return out
+def _profile_error(err: ValidationError, data: dict) -> str:
+    """One line for the first error of a profile document: key path, value, what is allowed."""
+    e = err.errors()[0]
+    loc = e["loc"]
+    section = loc[0]
+    keys = ", ".join(_ProfileDoc.model_fields)
+    if e["type"] == "extra_forbidden":
+        return f"unknown key {show_value(section)}; allowed: {keys}"
+    raw = data.get(section)
+    if section in _PROFILE_MAPS or section == "saved_bytes":
+        names, what = ((_SAVED_KINDS, "task kind with saved bytes") if section == "saved_bytes"
+                       else _PROFILE_MAPS[section][:2])
+        if len(loc) == 1:
+            return (f"{section} must be a mapping of {what}: number (got {show_value(raw)}); allowed: a mapping "
+                    f"(leave {section} out when nothing is measured)")
+        name = loc[1]
+        if len(loc) > 2 and loc[2] == "[key]":
+            if what == "lane":
+                return f"{section}: unknown lane {show_value(name)}; lanes: {', '.join(names)}"
+            if name not in _KINDS:
+                return f"{section}: unknown task kind {show_value(name)}; allowed: {what}s: {', '.join(names)}"
+            return f"{section}: {name} is not a {what}; allowed: {', '.join(names)}"
+        value = _got(raw.get(name) if isinstance(raw, dict) else e.get("input"))
+        if section == "saved_bytes":
+            return (f"saved_bytes: {name} must be bytes N or [w, x] (got {value}); allowed: integers "
+                    f">= 0 and <= 2^50")
+        _, _, low, low_open, high, unit = _PROFILE_MAPS[section]
+        return (f"{section}: {name} must be a finite number {_span(low, low_open, high)} (got {value}); "
+                f"allowed: {unit}, a finite number {_span(low, low_open, high)}")
+    if section == "comm_cpu_ns_per_byte":
+        return (f"comm_cpu_ns_per_byte must be a finite number {_span(*_CPU_NS)} (got {_got(data.get(section))}); "
+                f"allowed: ns of CPU per byte sent or received")
+    if section == "format":
+        return f"format: unknown profile format (got {show_value(data.get(section))}); allowed: {PROFILE_FORMAT}"
+    return f"{section}: {e['msg']} (got {show_value(data.get(section))}); allowed: a string"
 
 
 class CostModel:

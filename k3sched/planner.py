@@ -715,6 +715,9 @@ def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], 
 def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
     """Plan one training step on the backbone ``schedule`` (default: ``schedule.pipeline``).
     Raises InfeasibleBudget, DeadlockError or ConfigError."""
+    from .limits import check_limits  # cheap up-front refusals (too many tasks, budget below a bound)
+
+    check_limits(cfg)
     was_enabled = gc.isenabled()
     gc.disable()  # tens of thousands of small objects, no cycles: the cyclic GC only costs time
     try:

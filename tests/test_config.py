@@ -31,7 +31,7 @@ def test_k2_like_has_the_public_kimi_k2_shape():
     (["parallel.pp=four"], "parallel.pp: Input should be a valid integer"),
     (["parallel.ep=3"], "parallel.ep: must divide model.experts (8); got 3"),
     (["parallel.world_size=8"], "parallel.world_size: must equal pp*ep*dp = 2*2*1 = 4; got 8"),
-    (["parallel.pp=0"], "parallel.pp: Input should be greater than 0"),
+    (["parallel.pp=0"], "parallel.pp: Input should be greater than or equal to 1 (got 0); allowed: an integer from 1 to 1024"),
     (["schedule.strategy=fast"], "schedule.strategy: Input should be 'k3' or 'serial'"),
     (["schedule.pipeline=zb-v"], "parallel.vpp: zb-v places 2 chunks per rank"),
     (["nosection.x=1"], "--set nosection.x: expected SECTION.KEY"),

@@ -1,0 +1,249 @@
+"""Cheap up-front bounds, checked first thing in :func:`k3sched.planner.plan`.
+
+A config whose fields are each within their ranges ([Note: config limits] in k3sched/config.py)
+can still describe a step too large to plan in reasonable time, or a budget no plan can meet.
+These checks take milliseconds (nothing here builds the task graph) and refuse such configs with
+one line naming the limit and how to change it:
+
+* :func:`count_tasks`: the number of tasks the planner would build, counted from layers x
+  micro-batches x kinds, P2P boundaries, gradient buckets and offload copies, exactly as
+  :mod:`k3sched.graph` builds them (the search graph, with an offload pair for every activation
+  set when ``schedule.offload`` is not ``none``). More than ``schedule.max_tasks`` is refused
+  (ConfigError). The planner runs at about 15-20k tasks/s on one core.
+* the balanced layer split (``parallel.layer_split: balanced``) is a dynamic program of about
+  chunks x layers^2 / 2 steps; more than :data:`MAX_SPLIT_STEPS` is refused (ConfigError).
+* :func:`memory_lower_bound`: per stage, bytes that every plan holds at some instant; a budget
+  below it is refused with the planner's InfeasibleBudget ([Note: memory lower bound]), naming a
+  lower bound of the smallest feasible budget. Small plans (:data:`EXACT_BUDGET_TASKS`) are left to
+  the planner, whose search then names the exact smallest feasible budget within about a second
+  (k2-like at 1 GiB: refused in 0.05 s here instead of the search's 27 s).
+* one step's bytes must fit the int64 memory curves (:data:`MAX_STEP_BYTES`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import MAX_TASKS_LIMIT, GiB, Config, ConfigError
+from .cost import CostModel
+from .graph import placement_for, split_layers
+from .planner import InfeasibleBudget
+from .tasks import Kind
+
+MAX_SPLIT_STEPS = 1_000_000
+"""Largest balanced layer split taken on: chunks x layers^2 / 2 DP steps of about 1-2 µs each in
+Python (1M steps: 1-2.5 s here; 128 layers over 64 chunks or 200 over 32 fit, k2-like takes 59k)."""
+EXACT_SPLIT_STEPS = 200_000
+"""Up to this many DP steps the memory bound computes the planner's own layer split (per-stage
+bound); beyond it the bound uses the mean over stages (no split needed)."""
+EXACT_BUDGET_TASKS = 1_000
+"""A budget below the memory lower bound of a plan with at most this many tasks is left to the
+planner, whose search names the exact smallest feasible budget (one it planned) in about a second
+(about 1 ms per task); a larger plan is refused from the bound at once."""
+MAX_STEP_BYTES = 1 << 62
+"""One step's static plus activation bytes must stay below this (memory curves are int64)."""
+
+_MOE_SET = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD, Kind.COMBINE_FWD)
+_DENSE_SET = (Kind.ATTN_FWD, Kind.MLP_FWD)
+
+
+def check_limits(cfg: Config) -> None:
+    """Refuse, before planning, a config whose plan is too large (ConfigError) or whose device
+    memory budget is below a lower bound of every plan's peak (InfeasibleBudget)."""
+    steps = split_steps(cfg)
+    if steps > MAX_SPLIT_STEPS:
+        nv = cfg.parallel.pp * cfg.parallel.vpp
+        raise ConfigError(
+            f"parallel.layer_split: the balanced split of {cfg.model.layers} layers over {nv} chunks takes "
+            f"{steps:,} steps (chunks x layers^2 / 2); allowed: at most {MAX_SPLIT_STEPS:,} (set "
+            f"parallel.layer_split=even, or use fewer layers or chunks)")
+    cost = CostModel(cfg)
+    count = count_tasks(cfg, cost)
+    bound = memory_lower_bound(cfg, cost)
+    budget = cfg.budget_bytes
+    worst = max(range(len(bound.per_stage)), key=lambda s: bound.per_stage[s])
+    need = bound.per_stage[worst]
+    if need > budget and count.total > EXACT_BUDGET_TASKS:
+        field = ("schedule.device_memory_budget" if cfg.schedule.device_memory_budget is not None
+                 else "hardware.device_memory_gb (the budget: schedule.device_memory_budget is unset)")
+        at_least = math.floor(need / GiB * 1000) / 1000
+        where = f"stage {worst}" if bound.exact else "the average stage"
+        act = bound.activations[worst]
+        parts = f"{bound.static[worst] / GiB:.3f} GiB of parameters, gradients and optimizer state"
+        if act:
+            parts += f" + {act / GiB:.3f} GiB of one layer's saved activations"
+        raise InfeasibleBudget(
+            f"{field}: {budget / GiB:.3f} GiB is infeasible: {where} holds at least {at_least:.3f} GiB in every "
+            f"plan ({parts}); the smallest feasible budget is at least {at_least:.3f} GiB")
+    limit = cfg.schedule.max_tasks
+    if count.total > limit:
+        raise_to = _round_up(count.total)
+        how = (f"shrink the config, or raise the limit with --set schedule.max_tasks={raise_to}"
+               if raise_to <= MAX_TASKS_LIMIT else f"shrink the config: schedule.max_tasks goes up to "
+                                                   f"{MAX_TASKS_LIMIT:,}")
+        raise ConfigError(
+            f"schedule.max_tasks: this step would have {count.total:,} tasks ({count.describe(cfg)}); allowed: "
+            f"at most {limit:,} (the planner runs at about 15k tasks/s: {how})")
+    step_bytes = _step_bytes(cfg, cost)
+    if step_bytes >= MAX_STEP_BYTES:
+        raise ConfigError(
+            f"model: one step's parameters and activations come to {step_bytes:.3g} bytes (model.hidden "
+            f"{cfg.model.hidden}, model.seq_len {cfg.model.seq_len}, parallel.microbatches "
+            f"{cfg.parallel.microbatches}); allowed: below 2^62 bytes")
+
+
+def _round_up(n: int) -> int:
+    """``n`` rounded up to two significant digits (a limit to suggest)."""
+    mag = 10 ** max(0, len(str(n)) - 2)
+    return -(-n // mag) * mag
+
+
+def split_steps(cfg: Config) -> int:
+    """DP steps of the balanced layer split (:func:`k3sched.graph._min_max_split`); 0 for ``even``."""
+    if cfg.parallel.layer_split != "balanced":
+        return 0
+    n, parts = cfg.model.layers, cfg.parallel.pp * cfg.parallel.vpp
+    return max(0, parts - 2) * (n + 1) * (n + 2) // 2 + n
+
+
+@dataclass
+class TaskCount:
+    """Tasks of one step by origin (see :func:`count_tasks`)."""
+
+    layers: int
+    """Compute and EP tasks of every (layer, micro-batch)."""
+    offload: int
+    """Activation offload / onload copies (one pair per activation set in the search graph)."""
+    edges: int
+    """Embedding, head and P2P send / receive tasks per micro-batch."""
+    grads: int
+    """Gradient reduction buckets and gradient-shard copies."""
+    optim: int
+    buckets_per_layer: int
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.offload + self.edges + self.grads + self.optim
+
+    def describe(self, cfg: Config) -> str:
+        m, p, s = cfg.model, cfg.parallel, cfg.schedule
+        parts = [
+            (self.layers, f"{self.layers:,} layer tasks for parallel.microbatches {p.microbatches} x model.layers "
+                          f"{m.layers}"),
+            (self.offload, f"{self.offload:,} offload copies (schedule.offload {s.offload})"),
+            (self.edges, f"{self.edges:,} embedding, head and P2P tasks"),
+            (self.grads, f"{self.grads:,} gradient tasks ({self.buckets_per_layer:,} grad.rs "
+                         f"bucket{'s' if self.buckets_per_layer != 1 else ''} per layer at "
+                         f"schedule.grad_bucket_mb {s.grad_bucket_mb:g})"),
+        ]
+        parts.sort(key=lambda x: -x[0])
+        return ", ".join(text for n, text in parts if n)
+
+
+def _buckets(cfg: Config, cost: CostModel, layer: int) -> int:
+    """Buckets of one layer's DP gradient reduction (as :meth:`k3sched.graph._Builder.grad_rs`)."""
+    nbytes = cost.grad_wire(layer).nbytes
+    return max(1, math.ceil(nbytes / (cfg.schedule.grad_bucket_mb * 2**20)))
+
+
+def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
+    """Tasks the planner builds for ``cfg`` (its search graph: with an offload / onload pair for
+    every activation set unless ``schedule.offload`` is ``none``), counted without building them.
+    O(pp x vpp) time."""
+    cost = cost or CostModel(cfg)
+    m, p, s = cfg.model, cfg.parallel, cfg.schedule
+    M = p.microbatches
+    moe = m.layers - m.dense_layers
+    dense = m.dense_layers
+    per_moe = 15 + (1 if s.dispatch_recompute else 0)  # 6 forward, 6 (+1) dX side, 3 dW
+    per_dense = 6  # attn / mlp forward, dX, dW
+    layers = M * (moe * per_moe + dense * per_dense)
+    offload = 2 * M * m.layers if s.offload != "none" else 0
+    pl = placement_for(cfg)
+    nv = pl.num_stages
+    ranks = [pl.locate(v)[0] for v in range(nv)]
+    boundaries = sum(1 for v in range(nv - 1) if ranks[v] != ranks[v + 1])
+    edges = M * (2 + 3 + 4 * boundaries)  # embed fwd / dW, head fwd / dX / dW, act and grad send / recv
+    reduce = p.ep * p.dp > 1
+    b_moe = _buckets(cfg, cost, m.dense_layers) if moe and reduce else 0
+    b_dense = _buckets(cfg, cost, 0) if dense and reduce else 0
+    if s.grad_offload:
+        groups = -(-M // max(1, p.pp))
+        grads = groups * (moe * (b_moe + 3) + dense * (b_dense + 3))
+    else:
+        grads = moe * b_moe + dense * b_dense
+    return TaskCount(layers, offload, edges, grads, p.pp, max(b_moe, b_dense))
+
+
+@dataclass
+class MemoryBound:
+    per_stage: list[int]
+    static: list[int]
+    activations: list[int]
+    exact: bool
+    """True: per physical stage with the planner's layer split; False: one bound for the stage
+    with the most (the mean over stages), repeated."""
+
+
+def _set_bytes(cost: CostModel, moe: bool) -> int:
+    """Device bytes of one (layer, micro-batch) activation set, as the graph builder sums them."""
+    return sum(sum(cost.saved_bytes(k)) for k in (_MOE_SET if moe else _DENSE_SET))
+
+
+def _positive_durations(cfg: Config, cost: CostModel) -> bool:
+    return cfg.hardware.launch_us > 0 and all(v > 0 for v in cost.profile.durations_us.values())
+
+
+def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBound:
+    """[Note: memory lower bound] Device bytes that every plan of ``cfg`` holds on each stage at
+    some instant, whatever it offloads, recomputes or defers:
+
+    * the stage's parameters, gradients and optimizer state (:meth:`CostModel.static_bytes`), held
+      all step long: the planner's memory curve starts there, and every buffer it allocates is
+      freed only after it was allocated, so the curve never dips below it;
+    * plus the largest activation set of one (layer, micro-batch) on the stage (or the head's saved
+      activations on the last stage): a layer's forward tasks allocate their saved activations at
+      their start, the last of them (combine.fwd / mlp.fwd) starts after all the others started, and
+      nothing of the set is freed before that instant: the offload copy and the backward tasks that
+      free it all start after the layer's forward ends and free at their own end. That holds when
+      every such task takes time (``hardware.launch_us`` > 0 and no zero duration in a profile);
+      else the activation term is left out.
+
+    With the planner's layer split cheap to compute (:data:`EXACT_SPLIT_STEPS`) the bound is per
+    stage; else it is one number, the mean over stages of the static bytes (the fullest stage holds
+    at least the mean), with no activation term."""
+    cost = cost or CostModel(cfg)
+    m, p = cfg.model, cfg.parallel
+    act_ok = _positive_durations(cfg, cost)
+    head_act = sum(cost.saved_bytes(Kind.HEAD_FWD)) if act_ok else 0
+    set_bytes = {True: _set_bytes(cost, True), False: _set_bytes(cost, False)} if act_ok else {True: 0, False: 0}
+    if split_steps(cfg) <= EXACT_SPLIT_STEPS:
+        pl = placement_for(cfg)
+        split = split_layers(cfg)
+        static, acts = [], []
+        for s in range(p.pp):
+            vs = [v for v in range(pl.num_stages) if pl.locate(v)[0] == s]
+            layers = [L for v in vs for L in split[v]]
+            head = pl.num_stages - 1 in vs
+            static.append(cost.static_bytes(layers, embed=0 in vs, head=head)[0])
+            act = max((set_bytes[m.is_moe(L)] for L in layers), default=0)
+            acts.append(max(act, head_act if head else 0))
+        return MemoryBound([a + b for a, b in zip(static, acts)], static, acts, True)
+    # static_bytes is linear in the parameters up to integer division: the sum over stages is at
+    # least that of one stage holding everything, less one byte per floor (3 per stage at most).
+    everything = cost.static_bytes(list(range(m.layers)), embed=True, head=True)[0]
+    mean = max(0, everything - 3 * (cost.b + 1) * p.pp) // p.pp
+    return MemoryBound([mean] * p.pp, [mean] * p.pp, [0] * p.pp, False)
+
+
+def _step_bytes(cfg: Config, cost: CostModel) -> int:
+    """Static bytes of the whole model plus every activation set and output gradient of the step:
+    about the most any memory curve of the planner can add up to."""
+    m, p = cfg.model, cfg.parallel
+    static = sum(cost.static_bytes(list(range(m.layers)), embed=True, head=True))
+    moe = m.layers - m.dense_layers
+    sets = (moe * _set_bytes(cost, True) + m.dense_layers * _set_bytes(cost, False)
+            + sum(cost.saved_bytes(Kind.HEAD_FWD)))
+    grads = max(cost.grad_out_bytes(k) for k in Kind)
+    return static + p.microbatches * (sets + m.layers * grads) + p.pp * 2 * cost.p2p_bytes()
