@@ -220,11 +220,23 @@ class ScheduleConfig(_Section):
         return out
 
 
+class DataConfig(_Section):
+    """Where training tokens come from (``k3sched run``; the planner does not read it, and plan.json
+    leaves it out)."""
+
+    path: str | None = None
+    """Flat token file read with np.memmap (``k3sched data prepare`` writes one; [Note: token files] in
+    runtime/data.py); empty: synthetic tokens (the default)."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Token id type of ``path``."""
+
+
 class Config(_Section):
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
     hardware: HardwareConfig
     schedule: ScheduleConfig = ScheduleConfig()
+    data: DataConfig = Field(default_factory=DataConfig, exclude=True)
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -398,7 +410,8 @@ def _allowed_keys(section: str | None) -> list[str]:
 
 
 _SECTIONS: dict[str, type[_Section]] = {"model": ModelConfig, "parallel": ParallelConfig,
-                                        "hardware": HardwareConfig, "schedule": ScheduleConfig}
+                                        "hardware": HardwareConfig, "schedule": ScheduleConfig,
+                                        "data": DataConfig}
 _SET_FORM = f"SECTION.KEY=VALUE with SECTION one of {', '.join(Config.model_fields)} (e.g. parallel.pp=4)"
 
 
