@@ -327,6 +327,12 @@ def run(
     emulate_links: bool = typer.Option(False, help="Run every rank in its own network namespace behind a NIC "
                                                    "shaped to hardware.internode_gbps (across emulated nodes "
                                                    "of gpus_per_node) and nvlink_gbps (within one); needs root."),
+    save_every: int = typer.Option(0, help="Checkpoint every N steps into OUT/checkpoints/step_K (K = steps done; "
+                                           "written to a temporary directory, then renamed; 0: never)."),
+    save_mode: str = typer.Option("async", help="async (dcp.async_save: training goes on while it writes) or "
+                                                "blocking (dcp.save before the next step)."),
+    resume: Optional[str] = typer.Option(None, help="Continue from checkpoint DIR, or latest (the newest complete "
+                                                    "one under OUT), up to --steps; the layout may differ."),
 ) -> None:
     """Train STEPS steps of the config for real under torchrun (gloo on CPU, NCCL on GPU), following
     the plan on five lanes; write plan.json, per-rank traces and a summary into OUT."""
@@ -336,10 +342,15 @@ def run(
     _number("--nproc", nproc, ge=1)
     _number("--timeout", timeout, gt=0, unit="seconds")
     _check_out("--out", out, directory=True)
+    if save_every < 0:
+        fail(f"--save-every: must be 0 (never) or a number of steps >= 1; got {save_every}")
+    if save_mode not in ("async", "blocking"):
+        fail(f"--save-mode: must be async or blocking; got {save_mode!r}")
     from runtime.launch import run_command  # imports torch: only when a run is asked for
 
     raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
-                                 emulate_links=emulate_links))
+                                 emulate_links=emulate_links,
+                                 save_every=save_every, save_mode=save_mode, resume=resume))
 
 
 @command()
@@ -502,6 +513,33 @@ def probe(
     except OSError as e:
         fail(f"-o {out}: cannot write ({e.strerror})")
     console.print(f"wrote {path}", highlight=False)
+
+
+data_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="Training data: token files for the config's data.path.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    texts: List[Path] = typer.Argument(..., help="Text files to tokenize (any bytes)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Token file to write (its description goes to OUT.json)."),
+    dtype: str = typer.Option("uint16", help="Token id type, as data.dtype: uint16 or uint32."),
+) -> None:
+    """Tokenize TEXTS with the byte tokenizer (a byte is its id, 0..255; 256 ends each file) into one
+    flat token file for data.path ([Note: token files] in runtime/data.py); needs model.vocab >= 257."""
+    from runtime.data import DataError, prepare
+
+    if dtype not in ("uint16", "uint32"):
+        fail(f"--dtype: must be uint16 or uint32; got {dtype!r}")
+    try:
+        meta = prepare(texts, out, dtype)
+    except DataError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"-o {out}: cannot write ({e.strerror or e})")
+    console.print(f"wrote {out}: {meta['tokens']:,} tokens ({dtype}; byte tokenizer: needs model.vocab >= "
+                  f"{meta['vocab_needed']}) and {out}.json", highlight=False)
 
 
 def main() -> None:

@@ -7,7 +7,14 @@ the ranks under torchrun and makes sure none outlives it.
   --master-port FREE -m runtime.train CONFIG --out DIR ...`` in a new process group (session);
   gloo on CPU, NCCL with one GPU per rank when CUDA is present.
 - When a rank fails, torchrun stops the others; ``run_command`` then prints the failing rank's
-  one-line error (``error_rank{R}.txt``, the earliest) and returns 1. On timeout, Ctrl-C or any
+  one-line error (``error_rank{R}.txt``, the earliest) and returns 1 (2 when that error is a user
+  error: bad checkpoint or token file found by a rank). A rank that died without a word (SIGKILL,
+  the OOM killer, a crash) is named from torchrun's own record of its workers' exit codes
+  (:func:`torchrun_main` runs torchrun and writes ``rank_failures.json``): that line comes first.
+- Checkpoints and data (``save_every``, ``save_mode``, ``resume``, ``data.path``) are checked
+  before launching (:func:`runtime.checkpoint.launch_args`): a missing, incomplete or corrupt
+  checkpoint, one of another model shape, an unreadable token file or one with ids past the
+  vocabulary is one line and 2. On timeout, Ctrl-C or any
   exit path, the whole process group of the launched torchrun is killed (SIGTERM, then SIGKILL).
 - ``nsys=True`` runs the launch under Nsight Systems through :func:`traces.nsys.record` (``nsys
   profile --trace=nvtx``, plus ``cuda`` with CUDA; nsys 2022.4 workarounds: QdstrmImporter, agent
@@ -86,7 +93,7 @@ def torchrun_command(config_path: str | Path, out_dir: Path, nproc: int, *, over
     train += list(extra or [])
     if testbed is not None:
         return testbed.torchrun_command([sys.executable, "-m", "runtime.train", *train], port=port, nproc=nproc)
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+    return [sys.executable, "-m", "runtime.launch", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()), "--max-restarts", "0",
             "-m", "runtime.train", *train]
 
@@ -165,18 +172,65 @@ def first_error(out_dir: Path) -> str | None:
     return min(lines)[1] if lines else None
 
 
+FAILURES_ENV = "K3SCHED_FAILURES_FILE"
+FAILURES_FILE = "rank_failures.json"
+
+
+def lost_rank(out_dir: Path) -> str | None:
+    """One line naming a rank that torchrun saw die by a signal (it wrote no error of its own), or
+    None. The lowest such rank when several did."""
+    import json
+
+    try:
+        doc = json.loads((Path(out_dir) / FAILURES_FILE).read_text())
+        dead = sorted((int(f["rank"]), int(f["exitcode"]), f.get("pid")) for f in doc if int(f["exitcode"]) < 0)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not dead:
+        return None
+    rank, code, pid = dead[0]
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"rank {rank}: killed by {name} (signal {-code}, pid {pid}) during the run; stopped every rank"
+
+
+def torchrun_main(argv: list[str]) -> None:
+    """``python -m runtime.launch TORCHRUN_ARGS``: torchrun (``torch.distributed.run``) that also
+    writes which ranks failed and how (global rank, pid, exit code; a negative code is the signal
+    that killed the rank) to ``$K3SCHED_FAILURES_FILE`` before it exits with torchrun's error, so
+    :func:`_launch` can name a rank that died without a word."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        path = os.environ.get(FAILURES_ENV)
+        if path:
+            with contextlib.suppress(OSError):
+                Path(path).write_text(json.dumps([{"rank": int(r), "local_rank": f.local_rank, "pid": f.pid,
+                                                   "exitcode": f.exitcode} for r, f in e.failures.items()]))
+        raise
+
+
 def run_command(config_path: str | Path, overrides: list[str] | None, steps: int, nproc: int | None,
                 out_dir: str | Path, nsys: bool = False, strategy: str | None = None, *,
                 timeout_s: float | None = None, extra_args: list[str] | None = None, env: dict | None = None,
                 quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
-                link_rates: dict | None = None) -> int:
+                link_rates: dict | None = None, save_every: int = 0, save_mode: str = "async",
+                resume: str | None = None) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
     ``emulate_links``: run the ranks on the shaped-link testbed (:mod:`runtime.testbed`), links at
     the config's hardware rates unless ``link_rates`` (keyword arguments of
     :class:`runtime.testbed.Testbed`: ``internode_gbps``, ``nvlink_gbps``, ``gpus_per_node``,
-    ``rate_scale``) says otherwise; summary.json then has a ``testbed`` entry."""
+    ``rate_scale``) says otherwise; summary.json then has a ``testbed`` entry. ``save_every`` /
+    ``save_mode`` / ``resume``: checkpoints ([Note: checkpoint contents] in runtime/checkpoint.py)."""
     out = Path(out_dir)
     try:
         cfg, _ = check_run(config_path, overrides, nproc, strategy)
@@ -186,6 +240,14 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     if steps < 1:
         _err(f"--steps: must be at least 1; got {steps}")
         return 2
+    from runtime.checkpoint import launch_args
+
+    try:
+        more, sets, more_env = launch_args(cfg, out, steps, save_every=save_every, save_mode=save_mode, resume=resume)
+    except ValueError as e:
+        _err(str(e))
+        return 2
+    extra_args, overrides, env = [*(extra_args or []), *more], [*(overrides or []), *sets], {**(env or {}), **more_env}
     world = cfg.parallel.world
     if emulate_links:
         return _run_on_testbed(cfg, config_path, overrides, steps, out, nsys, strategy, timeout_s=timeout_s,
@@ -257,6 +319,9 @@ def _run_on_testbed(cfg, config_path, overrides, steps: int, out: Path, nsys: bo
 
 def _launch(cmd: list[str], out: Path, run_env: dict, world: int, timeout_s: float | None, quiet: bool) -> int:
     """Start ``cmd`` (torchrun) in a new session, wait, kill its process group on any exit."""
+    failures = (out / FAILURES_FILE).resolve()
+    failures.unlink(missing_ok=True)
+    run_env = {**run_env, FAILURES_ENV: str(failures)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, start_new_session=True)
     rc: int | None = None
     try:
@@ -273,8 +338,12 @@ def _launch(cmd: list[str], out: Path, run_env: dict, world: int, timeout_s: flo
     finally:
         kill_group(proc)
     if rc != 0:
+        lost = lost_rank(out)
         line = first_error(out)
-        _err(line or f"torchrun exited with status {rc} (no rank reported an error; see the output above)")
+        if lost is None and line and line.startswith("error: "):  # a rank's user error (exit 2)
+            _err(line[len("error: "):])
+            return 2
+        _err(lost or line or f"torchrun exited with status {rc} (no rank reported an error; see the output above)")
         return 1
     if not quiet:
         print(f"wrote {out}/plan.json, {out}/summary.json, {world} trace file(s) trace_rank*.json", flush=True)
@@ -320,3 +389,7 @@ def _run_under_nsys(cmd: list[str], out: Path, run_env: dict, world: int, timeou
         _err(f"the nsys trace {'does not conform to' if code == 1 else 'could not be checked against'} the plan; "
              f"see {out}/validation.json")
     return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    torchrun_main(sys.argv[1:])

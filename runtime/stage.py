@@ -243,6 +243,15 @@ class PendingSends:
 class StageRunner:
     """This rank's stage: model, micro-batch states, groups, optimizer and task handlers."""
 
+    data = None
+    """``runtime.data.TokenData``: micro-batches from a token file (None: synthetic tokens)."""
+    step = 0
+    """The global index of the step in progress (:meth:`begin_step`)."""
+    fail_step: int | None = None
+    """With ``fail_task``: fail only in this global step (None: the first)."""
+    fail_kill = False
+    """With ``fail_task``: SIGKILL this process instead of raising (a rank that dies without a word)."""
+
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
                  remote_group=None, offload_debug: bool | None = None, copy_delay_s: float | None = None) -> None:
@@ -330,16 +339,21 @@ class StageRunner:
 
     # -- steps -----------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        """Fresh micro-batch states with this replica's synthetic tokens for ``step``."""
+        """Fresh micro-batch states with this replica's tokens for global step ``step`` (synthetic, or
+        from :attr:`data` at its position)."""
         cfg, lo = self.cfg, self.groups.layout
+        self.step = step
         M = cfg.parallel.microbatches
         self.mbs.clear()
         self._up.clear()
         self._bwd_left = dict(self._bwd_count)
         self.memory.begin_step()
         for m in range(M):
-            tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
-                                              cfg.model.seq_len, cfg.model.vocab)
+            if self.data is not None:
+                tokens, targets = self.data.batch(m)
+            else:
+                tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
+                                                  cfg.model.seq_len, cfg.model.vocab)
             mb = self.model.new_microbatch(tokens.to(self.device), targets.to(self.device), index=m,
                                            loss_scale=1.0 / (M * self.replicas))
             mb.layers = [_sync_ctx(i, self.args.is_moe_layer(i)) for i in range(self.args.layers)]
@@ -393,8 +407,13 @@ class StageRunner:
 
     def _maybe_fail(self, h: Handler) -> Handler:
         def run(task: PlanTask) -> None:
-            if self.fail_task in ("*", task.id, task.kind.value):
+            if self.fail_task in ("*", task.id, task.kind.value) and self.fail_step in (None, self.step):
                 self.fail_task = None
+                if self.fail_kill:
+                    import os
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected failure (K3SCHED_FAIL_RANK={self.groups.layout.rank})")
             h(task)
         return run

@@ -11,7 +11,10 @@ Failure: a rank that raises writes ``error_rank{R}.txt`` (one line, read by
 :func:`runtime.launch.run_command`) and its traceback to ``rank{R}.log``, prints the line to stderr
 and exits 1 at once; the launcher then stops the other ranks. Collectives time out after
 ``--timeout`` seconds (env K3SCHED_TIMEOUT_S, default 120). ``K3SCHED_FAIL_RANK=R`` makes rank R
-fail in its first task (``K3SCHED_FAIL_TASK`` = a task id or kind picks another task), for tests.
+fail in its first task (``K3SCHED_FAIL_TASK`` = a task id or kind picks another task;
+``K3SCHED_FAIL_STEP`` = a global step index; ``K3SCHED_FAIL_SIGNAL=KILL``: SIGKILL itself), for tests.
+Checkpoints and data: ``--save-every N`` / ``--save-mode`` / ``--resume DIR|latest``
+(:mod:`runtime.checkpoint`), ``data.path`` (:mod:`runtime.data`).
 Exit codes: 0 done, 1 a rank failed, 2 user error (bad config, world size mismatch).
 """
 
@@ -29,6 +32,8 @@ from pathlib import Path
 FAIL_RANK_ENV = "K3SCHED_FAIL_RANK"
 FAIL_TASK_ENV = "K3SCHED_FAIL_TASK"
 TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
+FAIL_STEP_ENV = "K3SCHED_FAIL_STEP"
+FAIL_SIGNAL_ENV = "K3SCHED_FAIL_SIGNAL"
 
 
 class UserError(Exception):
@@ -47,6 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=None, help="model and data seed (default: schedule.seed)")
     ap.add_argument("--timeout", type=float, default=float(os.environ.get(TIMEOUT_ENV, "120")),
                     help="collective and dependency-wait timeout, seconds")
+    ap.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="checkpoint every N steps into OUT/checkpoints/step_K, K = steps done (0: never)")
+    ap.add_argument("--save-mode", choices=["async", "blocking"], default="async",
+                    help="async: dcp.async_save, training goes on while it writes; blocking: dcp.save")
+    ap.add_argument("--resume", default=None, metavar="DIR|latest",
+                    help="continue from checkpoint DIR (latest: the newest complete one under OUT) up to --steps")
     ap.add_argument("--dump-grads", action="store_true", help="write grads_rank{R}.pt (step 0, before AdamW)")
     ap.add_argument("--dump-params", action="store_true", help="write params_rank{R}.pt (after the last step)")
     ap.add_argument("--offload-debug", action="store_true",
@@ -122,6 +133,39 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
+def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: int, out: Path, seed: int):
+    """Checkpoints and data of the run: the :class:`runtime.checkpoint.Checkpointer`, the global step
+    to start from (the checkpoint's with ``--resume``, else 0) and the checkpoint resumed from; sets
+    ``runner.data`` when ``data.path`` names a token file (at the checkpoint's data position)."""
+    from runtime import checkpoint as ck
+    from runtime.data import DataError, TokenData
+
+    if args.save_every < 0:
+        raise UserError(f"--save-every: must be 0 (never) or a number of steps >= 1; got {args.save_every}")
+    group = ck.make_group() if (args.save_every or args.resume) else None
+    cp = ck.Checkpointer(runner, out=out, cfg=cfg, seed=seed, rank=rank, world=world, every=args.save_every,
+                         mode=args.save_mode, group=group)
+    start, doc, path = 0, None, None
+    if args.resume:
+        try:
+            path, doc = ck.resolve_resume(args.resume, out, cfg, args.steps,
+                                          files=rank == 0 and os.environ.get(ck.VERIFIED_ENV) != "1")
+            doc = cp.load(path)
+        except ck.CheckpointError as e:
+            raise UserError(str(e)) from None
+        start = int(doc["step"])
+    if cfg.data.path:
+        lo, m = runner.groups.layout, cfg.model
+        pos = int(doc["data"].get("position", 0)) if doc and doc["data"].get("kind") == "file" else 0
+        try:
+            runner.data = TokenData(cfg.data.path, cfg.data.dtype, vocab=m.vocab, seq_len=m.seq_len,
+                                    batch=m.micro_batch_size, microbatches=cfg.parallel.microbatches,
+                                    replicas=lo.ep * lo.dp, replica=lo.replica, position=pos)
+        except DataError as e:
+            raise UserError(str(e)) from None
+    return cp, start, path
+
+
 def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -178,6 +222,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                          fail_task=fail_task, remote_group=remote_group,
                          offload_debug=True if args.offload_debug else None)
     runner.bind_plan(lanes)
+    if fail_task is not None:
+        runner.fail_step = int(os.environ[FAIL_STEP_ENV]) if os.environ.get(FAIL_STEP_ENV) else None
+        runner.fail_kill = os.environ.get(FAIL_SIGNAL_ENV, "").upper() in ("KILL", "SIGKILL", "9")
+    ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, seed)
     perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
     perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
@@ -202,11 +250,13 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     planned_peak = doc["metrics"]["peak_device_bytes"][stage]
     losses, times, record = [], [], None
     peaks: list[int] = []
+    walls: list[float] = []
     try:
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
+            t_wall = time.perf_counter()
             if dist.is_initialized():
                 dist.barrier()
-            runner.capture_grads = args.dump_grads and step == 0
+            runner.capture_grads = args.dump_grads and step == first_step
             runner.begin_step(step)
             record = ex.run_step(step)
             contrib = runner.end_step()
@@ -227,6 +277,14 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                 console.print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  step {dt * 1e3:8.1f} ms  "
                               f"{tokens_per_step / dt:10,.0f} tok/s  peak device {runner.memory.peak_device / 2**20:.2f} "
                               f"MiB (plan {planned_peak / 2**20:.2f} MiB, stage {stage})")
+            if runner.data is not None:
+                runner.data.advance()
+            if ckpt.due(step + 1):
+                from runtime.data import synthetic_state
+
+                ckpt.save(step + 1, runner.data.state() if runner.data is not None else synthetic_state(step + 1))
+            walls.append(time.perf_counter() - t_wall)
+        ckpt.wait()  # the last asynchronous save completes before the run ends
         # trace of the last step, aligned so the earliest task of any rank starts at 0
         t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
                           dtype=torch.float64)
@@ -250,6 +308,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         mems = [torch.zeros_like(mem).to(device) for _ in range(world)]
         dist.all_gather(mems, mem.to(device))
     mems = [[int(x) for x in m.cpu().tolist()] for m in mems]
+    ckpt_s = torch.tensor([ckpt.summary()["blocking_s"]], dtype=torch.float64)
+    if dist.is_initialized():
+        ckpt_s = ckpt_s.to(device)
+        dist.all_reduce(ckpt_s, op=dist.ReduceOp.MAX)
     if rank == 0:
         steady = sorted(times[1:] or times)
         measured = steady[len(steady) // 2] if steady else 0.0
@@ -269,6 +331,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             "peak_peer_bytes_measured": [m[2] for m in mems],
             "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r).pp_idx for r in range(world)],
             "offloaded_sets": doc["metrics"].get("offloaded_sets"),
+            "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
+            "step_wall_s": walls, "checkpoint_s": float(ckpt_s), "checkpoint": ckpt.summary(),
+            "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if show:

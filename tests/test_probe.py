@@ -123,7 +123,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--config", "{tmp}/bad.yaml"], "parallel.ep: must divide model.experts"),
     (["--set", "hardware.mfu=0.5"], "--set: needs --config"),
     (["--emulate-links"], "--emulate-links: needs --config"),
-    (["--timeout", "0"], "--timeout: must be positive"),
+    (["--timeout", "0"], "--timeout: must be a finite number > 0"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, says):
     (tmp_path / "file").write_text("x")
