@@ -215,14 +215,12 @@ def summary_table(p, title: str | None = None) -> Table:
 
 
 def write_outputs(p, out: Path, png: bool = True) -> list[Path]:
-    import json
-
     from . import render
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "plan.json", out / "plan.trace.json", out / "timeline.txt"]
-    paths[0].write_text(render.dumps_plan(p))
-    paths[1].write_text(json.dumps(render.perfetto_trace(p)))
+    paths[0].write_bytes(render.dumps_plan_bytes(p))
+    paths[1].write_bytes(render.dumps_trace_bytes(p))
     paths[2].write_text(render.ascii_timeline(p, 160) + "\n")
     if png:
         paths.append(render.png_timeline(p, out / "timeline.png"))

@@ -183,7 +183,7 @@ def write_compare(rows: list[Row], plans: "list[Plan | None] | None", out_dir: s
     """Write ``<out>/<schedule>-<strategy>/plan.json`` for each planned row, ``<out>/compare.json``
     (the rows) and ``<out>/compare.png`` (every timeline stacked). ``plans`` aligns with ``rows``
     (None: the plans the rows carry)."""
-    from .render import dumps_plan, png_timeline
+    from .render import dumps_plan_bytes, png_timeline
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +196,7 @@ def write_compare(rows: list[Row], plans: "list[Plan | None] | None", out_dir: s
         d = out / r.label
         d.mkdir(parents=True, exist_ok=True)
         path = d / "plan.json"
-        path.write_text(dumps_plan(p))
+        path.write_bytes(dumps_plan_bytes(p))
         written.append(path)
         done.append(p)
         titles.append(f"{r.schedule} / {r.strategy} (vpp {r.vpp})")

@@ -5,7 +5,6 @@ All of them are views of one :class:`~k3sched.planner.Plan`; nothing here change
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,12 +41,16 @@ def glyph(kind: Kind) -> str:
 
 
 def task_json(t: Task) -> dict:
+    a, f = t.alloc, t.free
+    rel = t.release
     return {
         "id": t.id, "kind": t.kind.value, "lane": t.lane, "stage": t.stage, "chunk": t.chunk, "mb": t.mb,
         "layer": t.layer, "start_us": round(t.start_us, 3), "end_us": round(t.end_us, 3), "deps": list(t.deps),
-        "mem": {"alloc": t.alloc.to_json(), "free": t.free.to_json()}, "bytes": t.bytes, "buffer": t.buffer,
+        "mem": {"alloc": {"device": a.device, "host": a.host, "peer": a.peer},
+                "free": {"device": f.device, "host": f.host, "peer": f.peer}},
+        "bytes": t.bytes, "buffer": t.buffer,
         "peer_stage": t.peer_stage, "duration_us": round(t.duration_us, 3),
-        "release": None if t.release is None else {"stage": t.release[0], "device": t.release[1]},
+        "release": None if rel is None else {"stage": rel[0], "device": rel[1]},
     }
 
 
@@ -55,11 +58,11 @@ def plan_to_json(plan: "Plan") -> dict:
     """The plan.json document (format ``k3sched.plan/1``, see docs/formats.md)."""
     tasks = plan.tasks
     stages = []
+    start_deps = sorted(plan.graph.start_deps.items())
     for s in range(plan.cfg.parallel.pp):
         lanes = {lane: [task_json(tasks[tid]) for tid in plan.lane_orders[(s, lane)]] for lane in LANES}
         stages.append({"stage": s, "lanes": lanes,
-                       "start_deps": {tid: d for tid, d in sorted(plan.graph.start_deps.items())
-                                      if tasks[tid].stage == s}})
+                       "start_deps": {tid: d for tid, d in start_deps if tasks[tid].stage == s}})
     return {
         "format": PLAN_FORMAT,
         "config": plan.cfg.to_dict(),
@@ -83,8 +86,27 @@ def _jsonable(x):
     return x
 
 
+def dumps_json(doc: dict, indent: bool = False) -> bytes:
+    """``doc`` as UTF-8 JSON bytes (orjson: numpy arrays and scalars allowed); ``indent``: two spaces
+    per level. The same document gives the same bytes, run to run."""
+    import orjson
+
+    opt = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_INDENT_2 if indent else 0)
+    return orjson.dumps(doc, option=opt)
+
+
+def dumps_plan_bytes(plan: "Plan") -> bytes:
+    """plan.json as written: two-space indented JSON (orjson) and a final newline."""
+    return dumps_json(plan_to_json(plan), indent=True) + b"\n"
+
+
 def dumps_plan(plan: "Plan") -> str:
-    return json.dumps(plan_to_json(plan), indent=1, sort_keys=False) + "\n"
+    return dumps_plan_bytes(plan).decode()
+
+
+def dumps_trace_bytes(plan: "Plan") -> bytes:
+    """plan.trace.json as written (compact JSON, see :func:`perfetto_trace`)."""
+    return dumps_json(perfetto_trace(plan))
 
 
 def perfetto_trace(plan: "Plan") -> dict:
@@ -101,22 +123,25 @@ def perfetto_trace(plan: "Plan") -> dict:
             ev.append({"ph": "M", "name": "thread_sort_index", "pid": s, "tid": tid, "args": {"sort_index": tid}})
     tasks = plan.tasks
     flow = 0
+    add = ev.append
     for s in range(pp):
         for lane in LANES:
+            tid_lane = tid_of[lane]
             for tid in plan.lane_orders[(s, lane)]:
                 t = tasks[tid]
-                ev.append({"ph": "X", "name": t.id, "cat": t.lane, "pid": t.stage, "tid": tid_of[t.lane],
-                           "ts": round(t.start_us, 3), "dur": round(t.duration_us, 3),
-                           "args": {"kind": t.kind.value, "mb": t.mb, "layer": t.layer, "bytes": t.bytes}})
+                start = round(t.start_us, 3)
+                add({"ph": "X", "name": t.id, "cat": lane, "pid": s, "tid": tid_lane,
+                     "ts": start, "dur": round(t.duration_us, 3),
+                     "args": {"kind": t.kind.value, "mb": t.mb, "layer": t.layer, "bytes": t.bytes}})
                 for d in t.deps:
                     p = tasks[d]
-                    if p.lane == t.lane and p.stage == t.stage:
+                    if p.lane == lane and p.stage == s:
                         continue
                     flow += 1
-                    ev.append({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": p.stage,
-                               "tid": tid_of[p.lane], "ts": round(p.end_us, 3)})
-                    ev.append({"ph": "f", "bp": "e", "id": flow, "name": "dep", "cat": "dep", "pid": t.stage,
-                               "tid": tid_of[t.lane], "ts": round(t.start_us, 3)})
+                    add({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": p.stage,
+                         "tid": tid_of[p.lane], "ts": round(p.end_us, 3)})
+                    add({"ph": "f", "bp": "e", "id": flow, "name": "dep", "cat": "dep", "pid": s,
+                         "tid": tid_lane, "ts": start})
     for (s, space), tl in sorted(plan.memory.items()):
         for t_us, b in zip(tl.times_us.tolist(), tl.bytes.tolist()):
             ev.append({"ph": "C", "name": f"memory {space} (MiB)", "pid": s, "ts": round(t_us, 3),
@@ -152,64 +177,164 @@ def ascii_timeline(plan: "Plan", width: int = 100, stages: list[int] | None = No
     return "\n".join(lines)
 
 
+_COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#8172b3", "D": "#dd8452", "C": "#dd8452", "d": "#c44e52",
+           "c": "#c44e52", "R": "#937860", ">": "#da8bc3", "<": "#da8bc3", "}": "#da8bc3", "{": "#da8bc3",
+           "G": "#8c8c8c", "o": "#ccb974", "n": "#64b5cd", "O": "#b5a642", "N": "#3a8fb7", "+": "#999999",
+           "S": "#b5a642", "V": "#3a8fb7", "*": "#000000"}
+_PNG_LEGEND = [("F", "forward"), ("B", "backward dX"), ("W", "WGrad"), ("D", "dispatch/combine"),
+               ("d", "a2a backward"), ("R", "dispatch recompute"), (">", "P2P"), ("G", "grad reduce"),
+               ("o", "offload"), ("n", "onload"), ("O", "remote offload"), ("*", "optimizer")]
+_STAGE_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                 "#bcbd22", "#17becf"]
+
+
+def _rgb(hex_color: str) -> tuple[int, int, int]:
+    return int(hex_color[1:3], 16), int(hex_color[3:5], 16), int(hex_color[5:7], 16)
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size)
+    except TypeError:  # Pillow < 10.1: one fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _lane_image(plan: "Plan", width: int, row_h: int, gap: int) -> "tuple[object, list[str]]":
+    """[Note: rasterised timeline] Every (stage, lane) row as pixels: a task paints the columns
+    [floor(start), ceil(end)) of its span (at least one), later tasks of a lane over earlier ones
+    (a lane runs one task at a time, so only sub-pixel tasks share a column). One numpy image,
+    no drawing call per task."""
+    import numpy as np
+
+    rows = [(s, lane) for s in range(plan.cfg.parallel.pp) for lane in LANES]
+    img = np.full((len(rows) * row_h, width, 3), 255, np.uint8)
+    step = plan.metrics["step_time_us"] or 1.0
+    scale = width / step
+    palette = {g: np.array(_rgb(c), np.uint8) for g, c in _COLORS.items()}
+    tasks = plan.tasks
+    labels = []
+    for r, (s, lane) in enumerate(rows):
+        labels.append(f"s{s} {lane}")
+        order = plan.lane_orders[(s, lane)]
+        if not order:
+            continue
+        ts = [tasks[t] for t in order]
+        a = np.floor(np.fromiter((t.start_us for t in ts), float, len(ts)) * scale).astype(np.int64)
+        b = np.ceil(np.fromiter((t.end_us for t in ts), float, len(ts)) * scale).astype(np.int64)
+        a = np.clip(a, 0, width - 1)
+        b = np.clip(np.maximum(b, a + 1), 1, width)
+        # one glyph per column: the last task that starts at or before it and reaches it
+        col = np.full(width, -1, np.int64)
+        for i in range(len(ts)):
+            col[a[i]:b[i]] = i
+        used = col >= 0
+        if not used.any():
+            continue
+        glyphs = [glyph(t.kind) for t in ts]
+        rgb = np.stack([palette[g] for g in glyphs])
+        band = img[r * row_h:(r + 1) * row_h - gap]
+        band[:, used] = rgb[col[used]]
+    return img, labels
+
+
 def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str] | None = None) -> Path:
     """Gantt chart of every stage's lanes with the device memory curve under it; several plans
-    are stacked (``k3sched compare``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    are stacked (``k3sched compare``). Drawn with Pillow on a rasterised image ([Note: rasterised
+    timeline]): no matplotlib, a fraction of a second for tens of thousands of tasks."""
+    import numpy as np
+    from PIL import Image, ImageDraw
 
     plans = plans if isinstance(plans, list) else [plans]
-    colors = {"F": "#4c72b0", "B": "#55a868", "W": "#8172b3", "D": "#dd8452", "C": "#dd8452", "d": "#c44e52",
-              "c": "#c44e52", "R": "#937860", ">": "#da8bc3", "<": "#da8bc3", "}": "#da8bc3", "{": "#da8bc3",
-              "G": "#8c8c8c", "o": "#ccb974", "n": "#64b5cd", "O": "#b5a642", "N": "#3a8fb7", "+": "#999999",
-              "S": "#b5a642", "V": "#3a8fb7",
-              "*": "#000000"}
-    fig, axes = plt.subplots(2 * len(plans), 1, figsize=(14, 5.5 * len(plans)), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 1] * len(plans)})
-    for k, plan in enumerate(plans):
-        ax, axm = axes[2 * k][0], axes[2 * k + 1][0]
+    width, left, right, top = 1400, 130, 20, 8
+    row_h, gap, mem_h, title_h, axis_h = 6, 1, 150, 22, 30
+    font, small = _font(12), _font(9)
+    blocks = []
+    for plan in plans:
         pp = plan.cfg.parallel.pp
-        yt, yl = [], []
-        y = 0
-        for s in range(pp):
-            for lane in LANES:
-                order = plan.lane_orders[(s, lane)]
-                spans = [(plan.tasks[t].start_us / 1e3, plan.tasks[t].duration_us / 1e3) for t in order]
-                cols = [colors[glyph(plan.tasks[t].kind)] for t in order]
-                if spans:
-                    ax.broken_barh(spans, (y, 0.8), facecolors=cols, linewidth=0)
-                yt.append(y + 0.4)
-                yl.append(f"s{s} {lane}")
-                y += 1
-        ax.set_yticks(yt)
-        ax.set_yticklabels(yl, fontsize=6)
-        if k == 0:
-            from matplotlib.patches import Patch
-
-            legend = [("F", "forward"), ("B", "backward dX"), ("W", "WGrad"), ("D", "dispatch/combine"),
-                      ("d", "a2a backward"), (">", "P2P"), ("G", "grad reduce-scatter"), ("o", "offload"),
-                      ("n", "onload"), ("O", "remote offload")]
-            ax.legend(handles=[Patch(color=colors[g], label=lbl) for g, lbl in legend], fontsize=6, ncol=10,
-                      loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False)
-        ax.invert_yaxis()
-        ax.set_xlim(0, plan.metrics["step_time_us"] / 1e3)
+        row_h_p = max(3, min(row_h * 3, 480 // max(1, pp * len(LANES))))
+        img, labels = _lane_image(plan, width, row_h_p, gap if row_h_p > 3 else 0)
+        blocks.append((plan, img, labels, row_h_p))
+    legend_h = 20
+    total_h = legend_h + sum(title_h + img.shape[0] + axis_h + mem_h + axis_h + top for _, img, _, _ in blocks)
+    canvas = Image.new("RGB", (left + width + right, total_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    x = left
+    for g, lbl in _PNG_LEGEND:
+        draw.rectangle([x, 5, x + 10, 15], fill=_COLORS[g])
+        draw.text((x + 14, 4), lbl, fill="black", font=small)
+        x += 24 + int(draw.textlength(lbl, font=small))
+    y = legend_h
+    for k, (plan, img, labels, rh) in enumerate(blocks):
+        m = plan.metrics
+        step = m["step_time_us"] or 1.0
         title = titles[k] if titles else f"{plan.strategy} / {plan.pipeline}"
-        ax.set_title(f"{title}: step {plan.metrics['step_time_us'] / 1e3:.2f} ms "
-                     f"(lower bound {plan.metrics['lower_bound_us'] / 1e3:.2f} ms)", fontsize=9, loc="left")
-        for s in range(pp):
+        draw.text((left, y + 4), f"{title}: step {step / 1e3:.2f} ms (lower bound {m['lower_bound_us'] / 1e3:.2f} "
+                                 f"ms)", fill="black", font=font)
+        y += title_h
+        canvas.paste(Image.fromarray(img), (left, y))
+        draw.rectangle([left - 1, y - 1, left + width, y + img.shape[0]], outline="#444444")
+        if rh >= 7:
+            for r, lbl in enumerate(labels):
+                draw.text((4, y + r * rh), lbl, fill="black", font=small)
+        else:  # too thin for one label per lane: one per stage
+            for s in range(plan.cfg.parallel.pp):
+                draw.text((4, y + s * len(LANES) * rh), f"stage {s}", fill="black", font=small)
+        y0 = y
+        y += img.shape[0]
+        _time_axis(draw, left, width, y, step, small)
+        y += axis_h
+        # device memory of every stage: the highest value within each pixel column, as a step curve
+        budget = m.get("budget_bytes", 0)
+        peak = max([float(tl.bytes.max()) for (s, sp), tl in plan.memory.items()
+                    if sp == "device" and len(tl.bytes)] + [float(budget), 1.0])
+        ytop, ybot = y, y + mem_h
+        draw.rectangle([left - 1, ytop, left + width, ybot], outline="#444444")
+        edges = np.linspace(0.0, step, width + 1)
+        for s in range(plan.cfg.parallel.pp):
             tl = plan.memory.get((s, "device"))
-            if tl is not None and len(tl.times_us):
-                axm.step(tl.times_us / 1e3, tl.bytes / 2**30, where="post", linewidth=0.8, label=f"s{s}")
-        axm.axhline(plan.metrics.get("budget_bytes", 0) / 2**30, color="red", linestyle="--", linewidth=0.8)
-        axm.set_ylabel("device GiB", fontsize=7)
-        axm.set_xlabel("time (ms)", fontsize=7)
-        axm.set_xlim(0, plan.metrics["step_time_us"] / 1e3)
-        if pp <= 8:
-            axm.legend(fontsize=6, ncol=pp)
-    fig.tight_layout()
+            if tl is None or not len(tl.times_us):
+                continue
+            t, b = np.asarray(tl.times_us, float), np.asarray(tl.bytes, float)
+            # value at each column's start, then the max of any change inside the column
+            idx = np.clip(np.searchsorted(t, edges[:-1], side="right") - 1, 0, len(b) - 1)
+            val = b[idx]
+            inside = np.clip((t * width / step).astype(np.int64), 0, width - 1)
+            np.maximum.at(val, inside, b)
+            ys = ybot - val / peak * (mem_h - 4)
+            pts = list(zip((left + np.arange(width)).tolist(), ys.tolist()))
+            draw.line(pts, fill=_STAGE_COLORS[s % len(_STAGE_COLORS)], width=1)
+        if budget:
+            yb = ybot - budget / peak * (mem_h - 4)
+            for xs in range(left, left + width, 12):
+                draw.line([(xs, yb), (xs + 6, yb)], fill="red", width=1)
+        draw.text((4, ytop), f"device GiB", fill="black", font=small)
+        for frac in (0.0, 0.5, 1.0):
+            draw.text((left - 40, ybot - frac * (mem_h - 4) - 6), f"{peak * frac / 2**30:.1f}", fill="black",
+                      font=small)
+        draw.text((4, ytop + 14), "red: budget", fill="red", font=small)
+        y = ybot
+        _time_axis(draw, left, width, y, step, small)
+        y += axis_h + top
+        del y0
     path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    canvas.save(path, format="PNG", compress_level=1)
     return path
+
+
+def _time_axis(draw, left: int, width: int, y: int, step_us: float, font) -> None:
+    """Ticks in ms under a panel: about ten, at 1/2/5 x 10^k."""
+    import math
+
+    ms = step_us / 1e3
+    raw = ms / 10 or 1.0
+    mag = 10 ** math.floor(math.log10(raw))
+    tick = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    v = 0.0
+    while v <= ms + 1e-9:
+        x = left + v / ms * width if ms else left
+        draw.line([(x, y), (x, y + 4)], fill="black")
+        draw.text((x - 8, y + 6), f"{v:g}", fill="black", font=font)
+        v += tick
+    draw.text((left + width - 50, y + 16), "time (ms)", fill="black", font=font)
