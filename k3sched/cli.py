@@ -265,6 +265,12 @@ def plan(
     else:
         sched = None
     p = _plan_or_fail(cfg, strategy, sched)
+    from .p2pcheck import P2PDeadlock, check_plan
+
+    try:
+        check_plan(p)  # [Note: NCCL P2P model]: refuse a plan that would hang under NCCL
+    except P2PDeadlock as e:
+        fail(str(e))
     console.print(summary_table(p))
     if timeline:
         from .render import ascii_timeline
@@ -325,6 +331,8 @@ def run(
     emulate_links: bool = typer.Option(False, help="Run every rank in its own network namespace behind a NIC "
                                                    "shaped to hardware.internode_gbps (across emulated nodes "
                                                    "of gpus_per_node) and nvlink_gbps (within one); needs root."),
+    p2p: str = typer.Option("buffered", help="P2P semantics on gloo: buffered, or strict (like NCCL: a send "
+                                             "completes once its receive is posted, one stream per communicator)."),
     save_every: int = typer.Option(0, help="Checkpoint every N steps into OUT/checkpoints/step_K (K = steps done; "
                                            "written to a temporary directory, then renamed; 0: never)."),
     save_mode: str = typer.Option("async", help="async (dcp.async_save: training goes on while it writes) or "
@@ -339,6 +347,8 @@ def run(
     _number("--steps", steps, ge=1)
     _number("--nproc", nproc, ge=1)
     _number("--timeout", timeout, gt=0, unit="seconds")
+    if p2p not in ("buffered", "strict"):
+        fail(f"--p2p: must be buffered or strict; got {p2p!r}")
     _check_out("--out", out, directory=True)
     if save_every < 0:
         fail(f"--save-every: must be 0 (never) or a number of steps >= 1; got {save_every}")
@@ -348,7 +358,7 @@ def run(
 
     raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
                                  emulate_links=emulate_links,
-                                 save_every=save_every, save_mode=save_mode, resume=resume))
+                                 save_every=save_every, save_mode=save_mode, resume=resume, p2p=p2p))
 
 
 @command()

@@ -7,13 +7,13 @@ k3sched.cost assumes: an EP group is ``ep`` consecutive ranks). The data replica
 
 Groups (``None`` where the group would have one rank):
   ep      ep lane          ranks with the same (pp, dp): EP dispatch / combine all-to-alls
-  pp      collective lane  ranks with the same (dp, ep): act.send / act.recv
-  pp_grad collective lane  the same ranks: grad.send / grad.recv. A communicator per direction of
-                           the pipeline: gloo moves a message only after the receiver's "ready"
-                           note arrives, and in one shared connection that note queues behind the
-                           receiver's own outgoing payload, so activations and gradients crossing
-                           in opposite directions would take turns instead of using both
-                           directions of the link ([Note: full-duplex all-to-all on gloo])
+  pp      main thread      ranks with the same (dp, ep): start-up checks only (pairing, order)
+  p2p     collective lane  two ranks of one (dp, ep) column, one group per direction of each
+                           transfer kind: ``p2p[("act", a, b)]`` carries the activations stage a
+                           sends to stage b, ``p2p[("grad", b, a)]`` the gradients back, each its
+                           own communicator ([Note: NCCL-safe P2P])
+  ready   collective lane  beside each p2p group under ``--p2p strict`` (gloo): the receiver's
+                           ready tokens ([Note: strict P2P] in runtime/stage.py)
   dense   collective lane  ranks with the same pp (ep * dp of them): grad.rs of non-expert weights
   expert  collective lane  ranks with the same (pp, ep): grad.rs of expert weights (over dp)
   optim   compute lane     like ``dense``: optim.run reduces embed / head / final-norm gradients
@@ -22,14 +22,30 @@ Groups (``None`` where the group would have one rank):
                            (schedule.grad_offload; the collective lane keeps ``expert`` to itself)
   world   main thread      between steps only (loss and step-time reductions, barriers)
 Every rank creates every group in the same order (torch.distributed.new_group requires it).
+
+[Note: NCCL-safe P2P]
+NCCL blocks a send until the peer has posted the matching receive, runs the operations of one
+communicator in issue order on one stream, and pairs sends with receives by order only (tags are
+ignored). On one communicator per stage pair, a stage that sends before it receives while its
+peer does the same deadlocks: gloo buffers that (crossing orders occur: activations and
+gradients in 1F1B, activations in both directions between the stages of V placements, see
+k3sched/p2pcheck.py). So each direction of each transfer kind has its own two-rank communicator
+(:func:`build_p2p_groups`): its operations are all sends on one side and all receives on the
+other, in plan order on both (checked at start-up, :func:`verify_pairing`, and at plan time,
+:mod:`k3sched.p2pcheck`), so a send waits only for its own receive to be posted, never behind a
+transfer of the other direction. Every such communicator is connected before the lanes start
+(:func:`warm_up_p2p`: one small message per group, in one order on every rank, each wait bounded
+by the run's timeout): NCCL would otherwise create it inside a lane thread, at its first
+transfer, while other communicators are busy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -74,7 +90,8 @@ class Groups:
     layout: Layout
     ep: object | None = None
     pp: object | None = None
-    pp_grad: object | None = None
+    p2p: dict = field(default_factory=dict)  # (kind, src stage, dst stage) -> group ([Note: NCCL-safe P2P])
+    ready: dict = field(default_factory=dict)  # same keys: ready-token groups (--p2p strict)
     dense: object | None = None
     expert: object | None = None
     optim: object | None = None
@@ -93,7 +110,6 @@ def _members(lo: Layout) -> dict[str, list[list[int]]]:
     return {
         "ep": [[r(p, d, e) for e in range(lo.ep)] for p in range(lo.pp) for d in range(lo.dp)],
         "pp": [[r(p, d, e) for p in range(lo.pp)] for d in range(lo.dp) for e in range(lo.ep)],
-        "pp_grad": [[r(p, d, e) for p in range(lo.pp)] for d in range(lo.dp) for e in range(lo.ep)],
         "dense": [[r(p, d, e) for d in range(lo.dp) for e in range(lo.ep)] for p in range(lo.pp)],
         "expert": [[r(p, d, e) for d in range(lo.dp)] for p in range(lo.pp) for e in range(lo.ep)],
         "optim": [[r(p, d, e) for d in range(lo.dp) for e in range(lo.ep)] for p in range(lo.pp)],
@@ -114,6 +130,81 @@ def build_groups(lo: Layout, timeout=None) -> Groups:
             if lo.rank in ranks:
                 setattr(g, name, pg)
     return g
+
+
+def p2p_edges(vstage_rank: Sequence[int]) -> list[tuple[str, int, int]]:
+    """The directed transfers of a placement (``vstage_rank[v]``: the PP stage of virtual stage
+    v): ``("act", a, b)`` where vstage v on stage a feeds v + 1 on stage b != a, ``("grad", b, a)``
+    the way back; sorted (every rank computes the same list)."""
+    out = set()
+    for v in range(len(vstage_rank) - 1):
+        a, b = vstage_rank[v], vstage_rank[v + 1]
+        if a != b:
+            out.update({("act", a, b), ("grad", b, a)})
+    return sorted(out)
+
+
+def build_p2p_groups(groups: Groups, edges: Sequence[tuple[str, int, int]], *, ready: bool = False,
+                     timeout=None) -> None:
+    """One two-rank group per directed transfer ``edges`` of each (dp, ep) column, into
+    ``groups.p2p`` (and ``groups.ready`` with ``ready``); every rank calls this with the same
+    ``edges`` and flag, creating every column's groups in the same order."""
+    lo = groups.layout
+    for key in edges:
+        _, a, b = key
+        for d in range(lo.dp):
+            for e in range(lo.ep):
+                ranks = sorted({lo.rank_of(a, d, e), lo.rank_of(b, d, e)})
+                pgs = [dist.new_group(ranks, timeout=timeout) for _ in range(2 if ready else 1)]
+                if lo.rank in ranks:
+                    groups.p2p[key] = pgs[0]
+                    if ready:
+                        groups.ready[key] = pgs[1]
+
+
+def _wait_bounded(work, deadline: float, what: str) -> None:
+    from datetime import timedelta
+
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{what}: no answer within the run's timeout")
+    try:
+        work.wait(timeout=timedelta(seconds=left))
+    except RuntimeError as e:
+        raise TimeoutError(f"{what}: {str(e).strip().splitlines()[0] if str(e).strip() else 'failed'}") from e
+    while not work.is_completed():  # NCCL: wait() only orders the current stream
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: no answer within the run's timeout")
+        time.sleep(0.001)
+
+
+def warm_up_p2p(groups: Groups, timeout_s: float, device=None) -> int:
+    """Connect every P2P communicator of this rank before the lanes start ([Note: NCCL-safe P2P]):
+    one one-element message per group in the direction it is used (data src -> dst, ready tokens
+    dst -> src), groups in one sorted order on every rank (the first unfinished exchange of a
+    column always has both ranks at it, so the sequence completes). Raises TimeoutError naming
+    the group when a peer does not answer within ``timeout_s``. Returns the number of exchanges."""
+    import torch
+
+    lo = groups.layout
+    stage = lo.pp_idx
+    deadline = time.monotonic() + timeout_s
+    n = 0
+    todo = [("p2p", k, g) for k, g in groups.p2p.items()] + [("ready", k, g) for k, g in groups.ready.items()]
+    for what, (kind, a, b), pg in sorted(todo, key=lambda x: (x[1], x[0])):
+        src, dst = (a, b) if what == "p2p" else (b, a)
+        buf = torch.zeros(1, dtype=torch.int64, device=device)
+        name = f"P2P warm-up of the {what} group {kind} {a}->{b} (rank {lo.rank}, stage {stage})"
+        if stage == src:
+            buf.fill_(1)
+            work = dist.isend(buf, dst=groups.pp_rank(dst), group=pg)
+        else:
+            work = dist.irecv(buf, src=groups.pp_rank(src), group=pg)
+        _wait_bounded(work, deadline, name)
+        if stage == dst and int(buf.item()) != 1:
+            raise RuntimeError(f"{name}: received {int(buf.item())}, expected 1")
+        n += 1
+    return n
 
 
 # -- start-up order check -----------------------------------------------------------------------

@@ -55,6 +55,7 @@ def _err(msg: str) -> None:
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
     """Validate before launching; returns (cfg, plan doc) or raises ValueError (one line)."""
     from k3sched.config import ConfigError, load_config
+    from k3sched.p2pcheck import P2PDeadlock, check_plan
     from k3sched.planner import InfeasibleBudget, plan
     from k3sched.render import plan_to_json
     from k3sched.simulator import DeadlockError
@@ -73,6 +74,10 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
         raise ValueError(str(e)) from None
     except ValueError as e:
         raise ValueError(f"schedule.pipeline: {e}") from None
+    try:
+        check_plan(doc)  # [Note: NCCL P2P model]: a plan that would hang under NCCL is refused
+    except P2PDeadlock as e:
+        raise ValueError(str(e)) from None
     kinds = {t["kind"] for st in doc["stages"] for ts in st["lanes"].values() for t in ts}
     for k in sorted(kinds & UNSUPPORTED_KINDS.keys()):
         raise ValueError(f"{UNSUPPORTED_KINDS[k]}: the plan has {k} tasks, which the runtime does not execute yet; "
@@ -222,7 +227,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
                 timeout_s: float | None = None, extra_args: list[str] | None = None, env: dict | None = None,
                 quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
                 link_rates: dict | None = None, save_every: int = 0, save_mode: str = "async",
-                resume: str | None = None) -> int:
+                resume: str | None = None, p2p: str = "buffered") -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
@@ -230,8 +235,15 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     the config's hardware rates unless ``link_rates`` (keyword arguments of
     :class:`runtime.testbed.Testbed`: ``internode_gbps``, ``nvlink_gbps``, ``gpus_per_node``,
     ``rate_scale``) says otherwise; summary.json then has a ``testbed`` entry. ``save_every`` /
-    ``save_mode`` / ``resume``: checkpoints ([Note: checkpoint contents] in runtime/checkpoint.py)."""
+    ``save_mode`` / ``resume``: checkpoints ([Note: checkpoint contents] in runtime/checkpoint.py).
+    ``p2p``: ``buffered`` or ``strict`` (gloo P2P behaves like NCCL, [Note: strict P2P] in
+    runtime/stage.py)."""
     out = Path(out_dir)
+    if p2p not in ("buffered", "strict"):
+        _err(f"--p2p: must be buffered or strict; got {p2p!r}")
+        return 2
+    if p2p != "buffered":
+        extra_args = [*(extra_args or []), "--p2p", p2p]
     try:
         cfg, _ = check_run(config_path, overrides, nproc, strategy)
     except ValueError as e:

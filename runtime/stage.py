@@ -8,10 +8,12 @@ task kind to a handler (:meth:`StageRunner.handlers`):
 
 - model sub-ops (attn.fwd ... expert.dw, embed/head) -> ``moe.MoEModel.run`` (``shared.dx`` reads
   the upstream gradient itself, see [Note: shared.dx beside combine.bwd]);
-- act.send / grad.send -> ``isend`` on the pp group (gradients: pp_grad, [Note: rank layout]), waited at the end of the step (a send never
+- act.send / grad.send -> ``isend`` on the transfer's own directed group (``groups.p2p``,
+  [Note: NCCL-safe P2P] in runtime/groups.py), waited at the end of the step (a send never
   blocks its lane, so a lane's later receive cannot deadlock behind it); act.recv / grad.recv ->
   ``irecv`` + wait inside the task (a receive posted in plan order waits for its send; gloo moves
-  the bytes once both are posted, so the transfer time lands in the receive);
+  the bytes once both are posted, so the transfer time lands in the receive); under
+  ``--p2p strict`` both go through :class:`P2PStream` ([Note: strict P2P]);
 - grad.rs(.bN) -> all-reduce (sum) of bucket N of the layer's gradients: non-expert weights over
   the dense group (ep*dp replicas), expert weights over the expert group (dp replicas);
 - act.offload / act.onload / act.roffload / act.rstore / act.rserve / act.ronload ->
@@ -43,7 +45,9 @@ other data edges of ``moe.INTRA_LAYER_DEPS``) where the plan leaves them implici
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -61,7 +65,7 @@ from offload import ActivationManager, MemoryTracker, PolicyTable
 from offload.gradshard import GradShards
 
 from .executor import Handler, PlanTask
-from .groups import Groups
+from .groups import Groups, _wait_bounded
 
 BACKWARD_KINDS = frozenset(k for k in Kind if k.phase in ("dx", "dw", "bwd", "re"))
 LAST_FORWARD = frozenset({Kind.COMBINE_FWD, Kind.MLP_FWD})
@@ -240,6 +244,86 @@ class PendingSends:
             raise err
 
 
+P2P_MODES = ("buffered", "strict")
+
+
+class P2PStream:
+    """[Note: strict P2P]
+    ``--p2p strict`` makes gloo behave like NCCL, so that a CPU run fails where a GPU run would
+    hang. Each P2P communicator of this rank gets a stream: a thread that completes its
+    operations one at a time in issue order (NCCL runs a communicator's operations in order on one
+    stream). A receive, once first on its stream, posts its ``irecv`` and then sends a ready token
+    to the sender on the group's ``ready`` twin (``groups.ready``); a send, once first on its
+    stream, waits for that token before its ``isend``: a send completes only after the peer's
+    matching receive is posted, and holds up every later operation of its communicator meanwhile.
+    Tags are 0, so gloo pairs messages by order as NCCL does; the token carries the transfer's
+    tag, and a token for another transfer fails the send naming both (the order NCCL would have
+    silently mismatched). Every wait is bounded by the run's timeout (a TimeoutError naming the
+    communicator and the transfer: where NCCL would hang). The lane waits for its receives, the
+    end of the step for the sends (:class:`PendingSends`), as in the default mode."""
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"k3sched-p2p {name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, what: str, fn) -> "_StreamOp":
+        op = _StreamOp(f"{what} on communicator {self.name}", self.timeout_s)
+        self._q.put((fn, op))
+        return op
+
+    def _run(self) -> None:
+        while True:
+            fn, op = self._q.get()
+            if self._failed is not None:  # a communicator that failed stays failed (NCCL aborts it)
+                op.error = RuntimeError(f"{op.what}: an earlier operation of the communicator failed: {self._failed}")
+            else:
+                try:
+                    fn(time.monotonic() + self.timeout_s)
+                except BaseException as e:  # noqa: BLE001 - re-raised by whoever waits on the op
+                    op.error = self._failed = e
+            op.done.set()
+
+
+class _StreamOp:
+    """One operation of a :class:`P2PStream`: ``wait`` (bounded) returns once it completed and
+    re-raises its error (a stand-in for a torch Work in :class:`PendingSends`)."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        self.what, self.timeout_s = what, timeout_s
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        if not self.done.wait(t):
+            raise TimeoutError(f"{self.what}: not complete after {t:.0f} s (a send waits for its receive to be "
+                               "posted, behind every earlier operation of its communicator; NCCL would hang here)")
+        if self.error is not None:
+            raise self.error
+
+
+def strict_send(buf: Tensor, dst: int, group, ready, tag: int, deadline: float, what: str) -> None:
+    """A send of [Note: strict P2P] (run by the communicator's :class:`P2PStream`): wait for the
+    receiver's ready token on ``ready``, check it names this transfer (``tag``), send with tag 0."""
+    tok = torch.zeros(1, dtype=torch.int64)
+    _wait_bounded(dist.irecv(tok, src=dst, group=ready), deadline, f"{what}: waiting for the receiver's ready token")
+    if int(tok.item()) != tag:
+        raise RuntimeError(f"{what}: the receiver's next receive is another transfer (ready token {int(tok.item())}, "
+                           f"this send {tag}): NCCL pairs by order and would deliver the wrong tensor")
+    _wait_bounded(dist.isend(buf, dst=dst, group=group, tag=0), deadline, f"{what}: send")
+
+
+def strict_recv(buf: Tensor, src: int, group, ready, tag: int, deadline: float, what: str) -> None:
+    """A receive of [Note: strict P2P]: post it (tag 0), then send the ready token (``tag``)."""
+    work = dist.irecv(buf, src=src, group=group, tag=0)
+    tok = dist.isend(torch.tensor([tag], dtype=torch.int64), dst=src, group=ready)
+    _wait_bounded(work, deadline, f"{what}: receive")
+    _wait_bounded(tok, deadline, f"{what}: ready token")
+
+
 class StageRunner:
     """This rank's stage: model, micro-batch states, groups, optimizer and task handlers."""
 
@@ -254,7 +338,8 @@ class StageRunner:
 
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
-                 remote_group=None, offload_debug: bool | None = None, copy_delay_s: float | None = None) -> None:
+                 remote_group=None, offload_debug: bool | None = None, copy_delay_s: float | None = None,
+                 p2p: str = "buffered", p2p_timeout_s: float = 120.0) -> None:
         self.cfg, self.spec, self.groups = cfg, spec, groups
         self.args = model_args(cfg)
         self.device = device or torch.device("cpu")
@@ -287,6 +372,15 @@ class StageRunner:
         self.mbs: dict[int, MicroBatch] = {}
         self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
         self.sends = PendingSends()
+        if p2p not in P2P_MODES:
+            raise ValueError(f"p2p: one of {', '.join(P2P_MODES)}; got {p2p!r}")
+        self.p2p_timeout_s = p2p_timeout_s
+        self.streams: dict[tuple[str, int, int], P2PStream] | None = None  # [Note: strict P2P]
+        if p2p == "strict":
+            missing = sorted(set(groups.p2p) - set(groups.ready))
+            if missing:
+                raise ValueError(f"--p2p strict: no ready-token group for {missing[0]} (build_p2p_groups(ready=True))")
+            self.streams = {k: P2PStream(f"{k[0]} {k[1]}->{k[2]}", p2p_timeout_s) for k in groups.p2p}
         self.fail_task = fail_task
         self._rs_buckets: dict[tuple[int, int], int] = {}
         m = cfg.model
@@ -527,6 +621,12 @@ class StageRunner:
         d, mb, src, dst = key
         return ((mb * self.spec.num_vstages + dst) * 2 + (d == "grad")) * self.spec.num_vstages + src
 
+    def _p2p_group(self, key: tuple[str, int, int]):
+        g = self.groups.p2p.get(key)
+        if g is None:
+            raise RuntimeError(f"no P2P group for {key[0]} {key[1]}->{key[2]} (runtime.groups.build_p2p_groups)")
+        return g
+
     def _send(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
         mb = self.mbs[t.mb]
@@ -536,8 +636,14 @@ class StageRunner:
         if buf is None:
             raise RuntimeError(f"nothing to send: {'acts' if t.kind is Kind.FWD_SEND else 'grads'}[{idx}] is empty")
         buf = buf.contiguous()
-        group = self.groups.pp if t.kind is Kind.FWD_SEND else self.groups.pp_grad
-        work = dist.isend(buf, dst=self.groups.pp_rank(peer), group=group, tag=self._tag(key))
+        ck = (key[0], self.spec.stage, peer)
+        group, dst, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key)
+        if self.streams is None:
+            work = dist.isend(buf, dst=dst, group=group, tag=tag)
+        else:  # [Note: strict P2P]
+            ready = self.groups.ready[ck]
+            work = self.streams[ck].submit(t.id, lambda deadline: strict_send(buf, dst, group, ready, tag, deadline,
+                                                                              f"{t.id} (to stage {peer})"))
         self.sends.add(work, buf)
         if t.kind is Kind.FWD_SEND:
             mb.acts[idx] = None
@@ -549,8 +655,14 @@ class StageRunner:
         mb = self.mbs[t.mb]
         first, out = self._boundaries(t)
         buf = torch.empty(self.act_shape, dtype=self.args.torch_dtype, device=self.device)
-        group = self.groups.pp if t.kind is Kind.FWD_RECV else self.groups.pp_grad
-        dist.irecv(buf, src=self.groups.pp_rank(peer), group=group, tag=self._tag(key)).wait()
+        ck = (key[0], peer, self.spec.stage)
+        group, src, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key)
+        if self.streams is None:
+            dist.irecv(buf, src=src, group=group, tag=tag).wait()
+        else:  # [Note: strict P2P]
+            ready = self.groups.ready[ck]
+            self.streams[ck].submit(t.id, lambda deadline: strict_recv(buf, src, group, ready, tag, deadline,
+                                                                       f"{t.id} (from stage {peer})")).wait()
         if t.kind is Kind.FWD_RECV:
             mb.acts[first] = buf
         else:

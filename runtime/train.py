@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="checksum every offloaded activation and verify it on onload (env K3SCHED_OFFLOAD_DEBUG=1)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo even when CUDA is present")
+    ap.add_argument("--p2p", choices=["buffered", "strict"], default="buffered",
+                    help="strict: gloo P2P behaves like NCCL (a send completes once the receive is posted, one "
+                         "stream per communicator; [Note: strict P2P] in runtime/stage.py); NCCL always is")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     return ap.parse_args(argv)
 
@@ -175,7 +178,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     from k3sched.render import plan_to_json
 
     from runtime.executor import PERTURB_ENV, Executor, parse_perturb, perturb_lanes, stage_lanes
-    from runtime.groups import Layout, build_groups, verify_orders, verify_same_plan
+    from k3sched.p2pcheck import P2PDeadlock, check_plan
+    from runtime.groups import (Layout, build_groups, build_p2p_groups, p2p_edges, verify_orders, verify_same_plan,
+                                warm_up_p2p)
     from runtime.stage import StageRunner, StageSpec, build_remote_group, verify_remote_orders
 
     try:
@@ -209,6 +214,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     doc = plan_to_json(the_plan)
     plan_bytes = json.dumps(doc, indent=1).encode()
     verify_same_plan(plan_bytes)
+    try:
+        check_plan(doc)  # [Note: NCCL P2P model]
+    except P2PDeadlock as e:
+        raise UserError(str(e)) from None
     if rank == 0:
         (out / "plan.json").write_bytes(plan_bytes)
     stage = lo.pp_idx
@@ -218,9 +227,13 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     if os.environ.get(FAIL_RANK_ENV, "") == str(rank):
         fail_task = os.environ.get(FAIL_TASK_ENV) or "*"
     remote_group = build_remote_group(groups, doc)
+    strict = args.p2p == "strict" and not use_cuda  # NCCL is strict by itself
+    build_p2p_groups(groups, p2p_edges(spec.vstage_rank), ready=strict, timeout=timeout)
+    warm_up_p2p(groups, args.timeout, device)  # [Note: NCCL-safe P2P]
     runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
                          fail_task=fail_task, remote_group=remote_group,
-                         offload_debug=True if args.offload_debug else None)
+                         offload_debug=True if args.offload_debug else None,
+                         p2p="strict" if strict else "buffered", p2p_timeout_s=args.timeout)
     runner.bind_plan(lanes)
     if fail_task is not None:
         runner.fail_step = int(os.environ[FAIL_STEP_ENV]) if os.environ.get(FAIL_STEP_ENV) else None
@@ -323,7 +336,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             "tokens_per_s": [tokens_per_step / t for t in times],
             "predicted_step_time_us": predicted_us, "measured_step_time_us": measured * 1e6,
             "measured_over_predicted": (measured * 1e6 / predicted_us) if predicted_us else None,
-            "perturbed": list(ex.perturbed) if ex.perturbed else None,
+            "perturbed": list(ex.perturbed) if ex.perturbed else None, "p2p": args.p2p,
             "budget_bytes": doc["metrics"].get("budget_bytes"),
             "peak_device_bytes_planned": doc["metrics"]["peak_device_bytes"],
             "peak_device_bytes_measured": [m[0] for m in mems],

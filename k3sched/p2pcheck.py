@@ -1,0 +1,379 @@
+"""Static check of a plan's point-to-point transfers under NCCL semantics (no torch).
+
+[Note: NCCL P2P model]
+gloo buffers where NCCL blocks, and NCCL ignores tags, so a plan that trains on gloo can hang on
+GPUs. :func:`check_plan` executes a plan abstractly, one rank per PP stage (the ranks of a stage
+run the same lanes; their collectives on ep / dense / expert / optim groups involve that stage
+only), under these rules:
+
+* a lane runs its tasks in plan order, one at a time; a task starts once the task before it on
+  its lane finished, its same-stage ``deps`` finished and its ``start_deps`` started (as the
+  runtime's executor: dependencies on other stages are satisfied by the transfer itself; the
+  shared-link and ``serial`` tokens of [Note: serial execution] are added the same way);
+* a P2P task posts one operation on a communicator: act.send / grad.send / act.roffload /
+  act.rserve a send, act.recv / grad.recv / act.rstore / act.ronload a receive (a remote
+  transfer's header and payload travel back to back: one operation);
+* operations on one communicator complete in the order the stage issued them (one stream per
+  communicator, driven by one lane); a send completes only together with its matching receive,
+  once both are first on their stage's stream of that communicator (a send blocks until the peer
+  has posted the receive); NCCL matches the k-th send from a to b with b's k-th receive from a
+  on that communicator, whatever the tag;
+* act.send / grad.send end once posted (``isend``; the runtime waits for them at the end of the
+  step); every other P2P task ends when its operation completes.
+
+Which communicator carries a transfer is the ``comms`` policy:
+
+``directed`` (the runtime, [Note: rank layout] in runtime/groups.py)
+    one per (kind, sending stage, receiving stage): activations a->b, gradients b->a, each its own;
+``kind``
+    one per (kind, stage pair): the earlier ``pp`` / ``pp_grad`` groups (NCCL's P2P communicator is
+    per peer pair), activations of V placements cross on it in both directions;
+``shared``
+    one per stage pair for both kinds (a single ``pp`` group);
+
+remote offload (roffload / rstore / rserve / ronload) uses one communicator per pipeline column in
+every policy (the offload_remote lane's group; its transfers block the lane anyway).
+
+The execution stalls exactly when the plan would deadlock under these rules; the wait-for graph
+of the stalled tasks (lane order, dependency, issue order on a communicator, matching transfer)
+then has a cycle, and :class:`P2PDeadlock` names it in one line: task ids (``sN/...`` = stage N:
+every rank of PP stage N) and why each waits for the next. Order mismatches (the k-th send is not
+the peer's k-th receive: NCCL would deliver the wrong tensor) and transfers without a partner
+are reported too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .tasks import LANES, Kind
+
+SEND_KINDS = frozenset({Kind.FWD_SEND, Kind.BWD_SEND, Kind.ACT_ROFFLOAD, Kind.ACT_RSERVE})
+RECV_KINDS = frozenset({Kind.FWD_RECV, Kind.BWD_RECV, Kind.ACT_RSTORE, Kind.ACT_RONLOAD})
+POSTED_ONLY = frozenset({Kind.FWD_SEND, Kind.BWD_SEND})
+"""Sends whose task ends once posted (isend, waited at the end of the step)."""
+PARTNER = {Kind.FWD_RECV: Kind.FWD_SEND, Kind.BWD_RECV: Kind.BWD_SEND, Kind.ACT_RSTORE: Kind.ACT_ROFFLOAD,
+           Kind.ACT_RONLOAD: Kind.ACT_RSERVE}
+COMM_POLICIES = ("directed", "kind", "shared")
+
+
+class P2PDeadlock(ValueError):
+    """The plan cannot complete under NCCL point-to-point semantics; one line naming why."""
+
+
+@dataclass
+class _T:
+    id: str
+    kind: Kind
+    lane: str
+    stage: int
+    deps: tuple[str, ...]
+    start_us: float
+    end_us: float
+    start_deps: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _View:
+    """What the check reads of a plan: per stage, per lane, the ordered tasks."""
+
+    lanes: dict[int, dict[str, list[_T]]]
+    start_deps: dict[int, dict[str, list[str]]]
+    strategy: str
+    shared_links: list[tuple[str, ...]]
+
+
+def _view(plan) -> _View:
+    """A plan.json dict or a :class:`k3sched.planner.Plan` as a :class:`_View` (times rounded as
+    plan.json rounds them: the runtime's token order breaks ties on them)."""
+    if isinstance(plan, Mapping):
+        lanes, starts = {}, {}
+        for st in plan["stages"]:
+            s = int(st["stage"])
+            lanes[s] = {lane: [_T(t["id"], Kind(t["kind"]), lane, s, tuple(t.get("deps") or ()),
+                                  float(t.get("start_us") or 0.0), float(t.get("end_us") or 0.0))
+                               for t in st["lanes"].get(lane, [])] for lane in LANES}
+            starts[s] = {k: list(v) for k, v in (st.get("start_deps") or {}).items()}
+        links = [tuple(g) for g in plan.get("shared_links", ())]
+        return _View(lanes, starts, plan.get("strategy", "k3"), links)
+    from .cost import CostModel
+
+    tasks = plan.tasks
+    lanes = {s: {lane: [] for lane in LANES} for s in range(plan.cfg.parallel.pp)}
+    for (s, lane), ids in plan.lane_orders.items():
+        lanes[s][lane] = [_T(tid, tasks[tid].kind, lane, s, tuple(tasks[tid].deps), round(tasks[tid].start_us, 3),
+                             round(tasks[tid].end_us, 3)) for tid in ids]
+    starts: dict[int, dict[str, list[str]]] = {s: {} for s in lanes}
+    for tid, d in plan.graph.start_deps.items():
+        if tid in tasks:
+            starts.setdefault(tasks[tid].stage, {})[tid] = list(d)
+    return _View(lanes, starts, plan.strategy, [tuple(g) for g in CostModel(plan.cfg).shared_links()])
+
+
+def _stage_of(tid: str) -> int:
+    return int(tid[1:tid.index("/")])
+
+
+def _local_start_deps(v: _View) -> None:
+    """Each task's start dependencies as the runtime reads them (runtime.executor.stage_lanes):
+    same-stage ones only; a peer's act.rserve trigger moves to the owner's act.ronload."""
+    for s, lanes in v.lanes.items():
+        prefix = f"s{s}/"
+        start = {k: list(d) for k, d in v.start_deps.get(s, {}).items()}
+        for other, deps in v.start_deps.items():
+            if other == s:
+                continue
+            for tid, ds in deps.items():
+                if tid.endswith("/act.rserve"):
+                    mine = [d for d in ds if d.startswith(prefix)]
+                    if mine:
+                        ron = prefix + tid.split("/", 1)[1].replace("act.rserve", "act.ronload")
+                        start[ron] = start.get(ron, []) + mine
+        for ts in lanes.values():
+            for t in ts:
+                t.start_deps = [d for d in start.get(t.id, ()) if d.startswith(prefix)]
+
+
+def _token_order(lanes: Mapping[str, list[_T]], deps: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The executor's token order over ``lanes`` (runtime.executor.serial_order, same ties:
+    planned start, end, lane, position)."""
+    import heapq
+
+    pos = {t.id: (li, i) for li, lane in enumerate(LANES) for i, t in enumerate(lanes.get(lane, []))}
+    task = {t.id: t for ts in lanes.values() for t in ts}
+    preds: dict[str, set[str]] = {tid: set() for tid in task}
+    for ts in lanes.values():
+        for a, b in zip(ts, ts[1:]):
+            preds[b.id].add(a.id)
+    for tid, t in task.items():
+        preds[tid].update(d for d in list(deps.get(tid, ())) + list(t.start_deps) if d in task)
+    succs: dict[str, list[str]] = {tid: [] for tid in task}
+    for tid, ps in preds.items():
+        for d in ps:
+            succs[d].append(tid)
+    left = {tid: len(ps) for tid, ps in preds.items()}
+
+    def key(tid: str) -> tuple:
+        t = task[tid]
+        return (t.start_us, t.end_us, *pos[tid], tid)
+
+    heap = [key(tid) for tid, n in left.items() if n == 0]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        tid = heapq.heappop(heap)[-1]
+        order.append(tid)
+        for s in succs[tid]:
+            left[s] -= 1
+            if left[s] == 0:
+                heapq.heappush(heap, key(s))
+    if len(order) != len(task):
+        stuck = min((tid for tid, n in left.items() if n), key=key)
+        raise P2PDeadlock(f"task {stuck}: its lane order and same-stage dependencies form a cycle")
+    return order
+
+
+def _stage_deps(v: _View, s: int) -> dict[str, tuple[str, ...]]:
+    """Same-stage dependencies of each task of stage ``s`` as the executor waits on them (plan deps
+    plus the shared-link / serial token)."""
+    lanes = v.lanes[s]
+    prefix = f"s{s}/"
+    deps = {t.id: tuple(dict.fromkeys(d for d in t.deps if d.startswith(prefix))) for ts in lanes.values() for t in ts}
+    known = set(deps)
+    for tid, ds in deps.items():
+        for d in ds:
+            if d not in known:
+                raise P2PDeadlock(f"task {tid}: dependency {d} is not a task of stage {s}")
+    groups = [tuple(LANES)] if v.strategy == "serial" else [tuple(g) for g in v.shared_links]
+    for group in groups:
+        order = _token_order({lane: lanes[lane] for lane in group}, deps)
+        for prev, tid in zip(order, order[1:]):
+            if prev not in deps[tid]:
+                deps[tid] += (prev,)
+    return deps
+
+
+def _comm(kind: Kind, src: int, dst: int, comms: str) -> str:
+    """The communicator of a transfer from stage ``src`` to ``dst`` under policy ``comms``."""
+    if kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RSTORE, Kind.ACT_RSERVE, Kind.ACT_RONLOAD):
+        return "remote"
+    what = "act" if kind in (Kind.FWD_SEND, Kind.FWD_RECV) else "grad"
+    if comms == "directed":
+        return f"{what} {src}->{dst}"
+    lo, hi = min(src, dst), max(src, dst)
+    return f"{what} {lo}<->{hi}" if comms == "kind" else f"pp {lo}<->{hi}"
+
+
+@dataclass
+class Result:
+    """What :func:`analyse` found: ``error`` None when the plan completes; ``cycle`` the task
+    ids of the wait-for cycle (closing on its first) when it deadlocks."""
+
+    error: str | None
+    cycle: list[str] | None = None
+    transfers: int = 0
+
+
+def analyse(plan, comms: str = "directed") -> Result:
+    """Run the [Note: NCCL P2P model] on a plan.json dict or a Plan object."""
+    if comms not in COMM_POLICIES:
+        raise ValueError(f"comms: one of {', '.join(COMM_POLICIES)}; got {comms!r}")
+    v = _view(plan)
+    _local_start_deps(v)
+    try:
+        deps = {}
+        for s in v.lanes:
+            deps.update(_stage_deps(v, s))
+    except P2PDeadlock as e:
+        return Result(str(e))
+    task = {t.id: t for lanes in v.lanes.values() for ts in lanes.values() for t in ts}
+    lane_prev: dict[str, str | None] = {}
+    for lanes in v.lanes.values():
+        for ts in lanes.values():
+            for i, t in enumerate(ts):
+                lane_prev[t.id] = ts[i - 1].id if i else None
+
+    # -- transfers: partners (from the receive's dependency on its send) and communicators --------
+    partner: dict[str, str] = {}
+    for t in task.values():
+        if t.kind in RECV_KINDS:
+            want = PARTNER[t.kind]
+            sends = [d for d in t.deps if d in task and task[d].kind is want and task[d].stage != t.stage]
+            if len(sends) != 1:
+                return Result(f"{t.id} (stage {t.stage}): {'no' if not sends else 'more than one'} matching "
+                              f"{want.value} on another stage among its dependencies")
+            if sends[0] in partner:
+                return Result(f"{sends[0]} is received twice: by {partner[sends[0]]} and {t.id}")
+            partner[sends[0]], partner[t.id] = t.id, sends[0]
+    for t in task.values():
+        if t.kind in SEND_KINDS and t.id not in partner:
+            return Result(f"{t.id} (stage {t.stage}): no stage receives it (a send without a matching receive "
+                          "never completes)")
+    comm: dict[str, str] = {}
+    for tid, p in partner.items():
+        t = task[tid]
+        src, dst = (t.stage, task[p].stage) if t.kind in SEND_KINDS else (task[p].stage, t.stage)
+        comm[tid] = _comm(t.kind, src, dst, comms)
+    # NCCL matching: the k-th send a->b on a communicator meets b's k-th receive from a on it
+    sent: dict[tuple, list[str]] = {}
+    recvd: dict[tuple, list[str]] = {}
+    for s in sorted(v.lanes):
+        for lane in LANES:
+            for t in v.lanes[s][lane]:
+                if t.id in partner:
+                    p = task[partner[t.id]]
+                    if t.kind in SEND_KINDS:
+                        sent.setdefault((comm[t.id], s, p.stage), []).append(t.id)
+                    else:
+                        recvd.setdefault((comm[t.id], p.stage, s), []).append(t.id)
+    match: dict[str, str] = {}
+    for key, ids in sent.items():
+        got = recvd.get(key, [])
+        c, a, b = key
+        for k, (x, y) in enumerate(zip(ids, got)):
+            if partner[x] != y:
+                return Result(f"communicator {c}: transfer #{k} from stage {a} to stage {b} is {x} on "
+                              f"stage {a} but {y} on stage {b} (NCCL pairs them by order, not tag)")
+            match[x], match[y] = y, x
+    # -- abstract execution ------------------------------------------------------------------------
+    started: set[str] = set()
+    done: set[str] = set()
+    complete: set[str] = set()
+    queues: dict[tuple[int, str], deque] = {}
+    pos = {(s, lane): 0 for s in v.lanes for lane in LANES}
+
+    def ready(t: _T) -> bool:
+        return all(d in done for d in deps[t.id]) and all(d in started for d in t.start_deps)
+
+    changed = True
+    while changed:
+        changed = False
+        for s, lanes in v.lanes.items():
+            for lane in LANES:
+                ts, i = lanes[lane], pos[(s, lane)]
+                while i < len(ts):
+                    t = ts[i]
+                    if t.id not in started:
+                        if not ready(t):
+                            break
+                        started.add(t.id)
+                        changed = True
+                        if t.id in comm:
+                            queues.setdefault((s, comm[t.id]), deque()).append(t.id)
+                    if t.id in comm and t.kind not in POSTED_ONLY and t.id not in complete:
+                        break
+                    done.add(t.id)
+                    i += 1
+                if i != pos[(s, lane)]:
+                    pos[(s, lane)] = i
+                    changed = True
+        for (s, c), q in queues.items():
+            while q:
+                x = q[0]
+                if task[x].kind not in SEND_KINDS:
+                    break
+                y = match[x]
+                qy = queues.get((task[y].stage, c))
+                if not qy or qy[0] != y:
+                    break
+                q.popleft()
+                qy.popleft()
+                complete.update((x, y))
+                changed = True
+    pending = [tid for tid in task if tid not in done or (tid in comm and tid not in complete)]
+    n = len(partner) // 2
+    if not pending:
+        return Result(None, transfers=n)
+
+    # -- the wait-for cycle ----------------------------------------------------------------------------
+    def waits(tid: str) -> tuple[str, str]:
+        """(the task ``tid`` waits for, why) of a task not finished or a transfer not complete."""
+        t = task[tid]
+        if tid not in started:
+            prev = lane_prev[tid]
+            if prev is not None and prev not in done:
+                return prev, f"before it on the {t.lane} lane"
+            for d in deps[tid]:
+                if d not in done:
+                    return d, "its dependency" if d in t.deps else "the link token before it"
+            for d in t.start_deps:
+                if d not in started:
+                    return d, "its start dependency"
+            raise AssertionError(f"{tid} is ready but did not start")  # pragma: no cover
+        c = comm[tid]
+        q = queues[(t.stage, c)]
+        k = q.index(tid)
+        if k:
+            return q[k - 1], f"issued before it on communicator {c}"
+        y = match[tid]
+        other = "receive" if t.kind in SEND_KINDS else "send"
+        if y not in started:
+            return y, f"its matching {other}, not posted"
+        qy = queues[(task[y].stage, c)]
+        return qy[qy.index(y) - 1], f"issued before its matching {other} {y} on communicator {c}"
+
+    seen: dict[str, int] = {}
+    path: list[tuple[str, str]] = []
+    cur = min(pending, key=lambda tid: (task[tid].start_us, tid))
+    while cur not in seen:
+        seen[cur] = len(path)
+        nxt, why = waits(cur)
+        path.append((nxt, why))
+        cur = nxt
+    cyc = path[seen[cur]:]  # (task, why the one before it waits for it), closing on ``cur``
+    ids = [cur] + [tid for tid, _ in cyc]
+    stages = sorted({task[tid].stage for tid in ids})
+    text = cur + "".join(f" -> {tid} [{why}]" for tid, why in cyc)
+    return Result(f"P2P deadlock under NCCL semantics (communicators: {comms}), stage{'s' if len(stages) > 1 else ''} "
+                  f"{', '.join(map(str, stages))}: {text}", ids, n)
+
+
+def check_plan(plan, comms: str = "directed") -> int:
+    """Raise :class:`P2PDeadlock` (one line) when ``plan`` (plan.json dict or Plan) cannot
+    complete under the [Note: NCCL P2P model]; else return the number of transfers checked."""
+    r = analyse(plan, comms)
+    if r.error is not None:
+        raise P2PDeadlock(r.error)
+    return r.transfers
