@@ -89,6 +89,17 @@ class ModelConfig(_Section):
     """Compute and activation dtype."""
     aux_loss_coef: float = _float(0.0, 1000.0, open_low=False, default=0.0)
     """Load-balancing auxiliary loss coefficient, 0..1000."""
+    max_route_nodes: int | None = _int(1, 65536, default=None)
+    """Node-limited routing (DeepSeek-V3: 4): each token goes to experts on at most this many nodes
+    and crosses the NIC once per node it reaches ([Note: node-limited routing] in k3sched/cost.py);
+    1..65536, empty: unlimited. Left out of plan.json's config when unset."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_routing(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if self.max_route_nodes is None:
+            out.pop("max_route_nodes", None)
+        return out
 
     @property
     def dtype_bytes(self) -> int:
@@ -191,6 +202,10 @@ class ScheduleConfig(_Section):
     """Store saved activations block-wise FP8 (1x128 tiles, fp32 scales): about half of bf16."""
     dispatch_recompute: bool = False
     """EP-DR: keep only the dispatch input and re-run the dispatch a2a in backward."""
+    fp8_dispatch: bool = False
+    """Send the all-to-all payload that feeds expert GEMMs in FP8 (1 byte per element plus an fp32
+    scale per 128, as DeepSeek-V3 does): dispatch, its recompute and the combine's backward; the
+    combine and the dispatch's backward stay in the model dtype. Left out of plan.json when false."""
     grad_offload: bool = False
     """K3 Pipeline ZeRO-2: fp32 gradient shards in host memory, two chunk buffers on device."""
     grad_bucket_mb: float = _float(0.001, 1e6, open_low=False, default=256.0)
@@ -217,6 +232,8 @@ class ScheduleConfig(_Section):
         out = handler(self)
         if self.max_tasks == DEFAULT_MAX_TASKS:
             out.pop("max_tasks", None)
+        if not self.fp8_dispatch:
+            out.pop("fp8_dispatch", None)
         return out
 
 
@@ -247,6 +264,9 @@ class Config(_Section):
             raise ValueError(f"parallel.ep: must divide model.experts ({m.experts}); got {p.ep}")
         if m.top_k > m.experts:
             raise ValueError(f"model.top_k: must be at most model.experts ({m.experts}); got {m.top_k}")
+        if m.max_route_nodes is not None and m.max_route_nodes > m.top_k:
+            raise ValueError(f"model.max_route_nodes: must be at most model.top_k ({m.top_k}): a token reaches "
+                             f"at most top_k nodes; got {m.max_route_nodes}")
         if m.dense_layers > m.layers:
             raise ValueError(f"model.dense_layers: must be at most model.layers ({m.layers}); got {m.dense_layers}")
         if p.world_size is not None and p.world_size != p.world:

@@ -37,6 +37,7 @@ number N (split like the analytic model). ``runtime.measure.write_profile`` meas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -45,6 +46,9 @@ from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from .config import Config, ConfigError, read_text_file, show_value, yaml_load
 from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
+
+_FP8_A2A = frozenset({Kind.DISPATCH_FWD, Kind.DISPATCH_RE, Kind.COMBINE_BWD})
+"""All-to-alls whose payload feeds an expert GEMM: FP8 under ``schedule.fp8_dispatch``."""
 
 _GEMM = {
     Kind.ATTN_FWD, Kind.ATTN_DX, Kind.ATTN_DW, Kind.ROUTER_FWD, Kind.ROUTER_BWD, Kind.SHARED_FWD,
@@ -307,9 +311,24 @@ class CostModel:
         return float(table.get(kind, 0.0))
 
     # -- bytes moved ---------------------------------------------------------------------------
-    def a2a_bytes(self) -> int:
-        m, ep = self.cfg.model, self.cfg.parallel.ep
-        return int(self.T * m.top_k * m.hidden * self.b * (ep - 1) / ep) if ep > 1 else 0
+    def a2a_bytes(self, kind: Kind | None = None) -> int:
+        """Bytes of one EP all-to-all of ``kind`` that leave the rank (None: a combine, model dtype)."""
+        if kind is None and not self._node_limited():
+            m, ep = self.cfg.model, self.cfg.parallel.ep
+            return int(self.T * m.top_k * m.hidden * self.b * (ep - 1) / ep) if ep > 1 else 0
+        return self.a2a_wire(kind or Kind.COMBINE_FWD).nbytes
+
+    def a2a_payload_bytes(self, kind: Kind) -> float:
+        """Bytes per element of an all-to-all's payload: FP8 plus an fp32 scale per 128 elements for
+        the kinds that feed expert GEMMs under ``schedule.fp8_dispatch`` (dispatch, its recompute,
+        the combine's backward), else the model dtype."""
+        if self.cfg.schedule.fp8_dispatch and kind in _FP8_A2A:
+            return 1 + 4 / 128
+        return float(self.b)
+
+    def _node_limited(self) -> bool:
+        m, p, hw = self.cfg.model, self.cfg.parallel, self.cfg.hardware
+        return m.max_route_nodes is not None and p.ep > hw.gpus_per_node
 
     def a2a_us(self, kind: Kind = Kind.COMBINE_FWD) -> float:
         """Duration of one EP all-to-all without the launch (:meth:`a2a_wire`)."""
@@ -342,16 +361,37 @@ class CostModel:
     def a2a_wire(self, kind: Kind) -> Wire:
         """Hierarchical all-to-all: the share of peers inside the node goes over NVLink while the
         rest crosses the NIC at the same time (the slower sets the time). The dispatch (and its
-        recompute) first exchanges the per-expert token counts: one more call, no bytes to speak of."""
+        recompute) first exchanges the per-expert token counts: one more call, no bytes to speak of.
+
+        [Note: node-limited routing] Balanced top-k routing over an EP group of ``ep`` ranks on
+        ``nodes = ep / gpus_per_node`` nodes sends each token's k copies to k ranks: k (ep - g)/ep
+        copies cross the NIC (g = ranks per node). With ``model.max_route_nodes`` M (DeepSeek-V3:
+        M = 4 of 8 nodes) a token reaches at most M nodes and crosses the NIC once per remote node
+        (DeepEP: one copy per node, forwarded on NVLink inside it): M (nodes - 1) / nodes copies
+        cross the NIC, the ``k (g - 1) / g`` copies bound for other ranks of the reached nodes go
+        over NVLink. Bytes per copy are ``hidden x payload`` (:meth:`a2a_payload_bytes`). The combine
+        and the backward all-to-alls mirror the dispatch, so the same counts hold for them."""
         m, ep, hw = self.cfg.model, self.cfg.parallel.ep, self.cfg.hardware
         if ep == 1:
             return Wire()
-        per_peer = self.T * m.top_k * m.hidden * self.b / ep
-        intra = min(ep, hw.gpus_per_node) - 1
-        inter = ep - 1 - intra
-        terms = tuple(t for t in ((intra * per_peer, hw.nvlink_gbps), (inter * per_peer, hw.internode_gbps)) if t[0])
+        pb = self.a2a_payload_bytes(kind)
+        g = min(ep, hw.gpus_per_node)
+        if self._node_limited():
+            nodes = ep / g
+            row = self.T * m.hidden * pb
+            routed = min(m.max_route_nodes, m.top_k, math.ceil(nodes))
+            inter_b = row * routed * (nodes - 1) / nodes
+            intra_b = row * m.top_k * (g - 1) / g
+            terms = tuple(t for t in ((intra_b, hw.nvlink_gbps), (inter_b, hw.internode_gbps)) if t[0])
+        else:
+            per_peer = self.T * m.top_k * m.hidden * pb / ep
+            intra = g - 1
+            inter = ep - 1 - intra
+            terms = tuple(t for t in ((intra * per_peer, hw.nvlink_gbps), (inter * per_peer, hw.internode_gbps))
+                          if t[0])
+        inter_any = ep > g
         calls = 2 if kind in (Kind.DISPATCH_FWD, Kind.DISPATCH_RE) else 1
-        lat = hw.internode_latency_us if inter else hw.nvlink_latency_us
+        lat = hw.internode_latency_us if inter_any else hw.nvlink_latency_us
         return Wire(steps=calls, terms=terms, latency_us=lat)
 
     def wire(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0) -> Wire | None:
