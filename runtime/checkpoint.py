@@ -573,7 +573,7 @@ class Checkpointer:
                         parts = []
                         for q in s.params:
                             d = gfull[(L, names[id(q)])]
-                            t = d[field] if d[field] is not None else q.detach().float()
+                            t = d[field] if d[field] is not None else q.detach().float().cpu()
                             parts.append(t.reshape(-1))
                         flat = torch.zeros(s.world * s.k, dtype=torch.float32)
                         cat = torch.cat(parts)

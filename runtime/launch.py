@@ -183,17 +183,20 @@ FAILURES_FILE = "rank_failures.json"
 
 def lost_rank(out_dir: Path) -> str | None:
     """One line naming a rank that torchrun saw die by a signal (it wrote no error of its own), or
-    None. The lowest such rank when several did."""
+    None. SIGTERM is what torchrun sends the other ranks when it stops them, so it names no
+    cause; of several, the earliest, then the lowest rank."""
     import json
 
     try:
         doc = json.loads((Path(out_dir) / FAILURES_FILE).read_text())
-        dead = sorted((int(f["rank"]), int(f["exitcode"]), f.get("pid")) for f in doc if int(f["exitcode"]) < 0)
+        # torchrun stops the other ranks with SIGTERM (recorded as failures too): not a cause
+        dead = sorted((f.get("timestamp", 0), int(f["rank"]), int(f["exitcode"]), f.get("pid")) for f in doc
+                      if int(f["exitcode"]) < 0 and int(f["exitcode"]) != -signal.SIGTERM)
     except (OSError, ValueError, TypeError, KeyError):
         return None
     if not dead:
         return None
-    rank, code, pid = dead[0]
+    _, rank, code, pid = dead[0]
     try:
         name = signal.Signals(-code).name
     except ValueError:
@@ -218,7 +221,8 @@ def torchrun_main(argv: list[str]) -> None:
         if path:
             with contextlib.suppress(OSError):
                 Path(path).write_text(json.dumps([{"rank": int(r), "local_rank": f.local_rank, "pid": f.pid,
-                                                   "exitcode": f.exitcode} for r, f in e.failures.items()]))
+                                                   "exitcode": f.exitcode, "timestamp": f.timestamp}
+                                                  for r, f in e.failures.items()]))
         raise
 
 
