@@ -154,28 +154,56 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.2f}"
 
 
-def render_table(rows: list[Row], title: str | None = None) -> "Table":
+def render_table(rows: list[Row], title: str | None = None, wide: bool = False) -> "Table":
+    """The comparison as a rich table. Default: the columns that matter, within 120 columns; a row
+    that could not be planned says ``skipped (n)`` and its reason is note n under the table (see
+    :func:`render_notes`). ``wide``: every column, the reasons in a note column."""
     from rich.table import Table
 
     t = Table(title=title or "schedule comparison", title_justify="left")
-    for name in ("schedule", "strategy", "vpp", "step ms", "x bound", "bubble", "exposed EP ms (%)",
-                 "exposed coll ms (%)", "peak dev GiB max", "peak dev GiB per stage", "P2P MiB", "plan s"):
+    if wide:
+        names = ("schedule", "strategy", "vpp", "step ms", "x bound", "bubble", "exposed EP ms (%)",
+                 "exposed coll ms (%)", "peak dev GiB max", "peak dev GiB per stage", "P2P MiB", "plan s")
+    else:
+        names = ("schedule", "strategy", "vpp", "step ms", "x bound", "bubble", "exp. EP", "exp. coll",
+                 "peak GiB", "P2P MiB", "plan s")
+    for name in names:
         t.add_column(name, justify="left" if name in ("schedule", "strategy") else "right", no_wrap=True)
-    t.add_column("note", justify="left", overflow="fold", min_width=20)
+    if wide:
+        t.add_column("note", justify="left", overflow="fold", min_width=20)
     best = best_row(rows)
+    n_err = 0
     for r in rows:
         if not r.ok:
-            t.add_row(r.schedule, r.strategy, str(r.vpp), *["-"] * 9, r.error, style="dim")
+            n_err += 1
+            if wide:
+                t.add_row(r.schedule, r.strategy, str(r.vpp), *["-"] * 9, r.error, style="dim")
+            else:
+                t.add_row(r.schedule, r.strategy, str(r.vpp), f"skipped ({n_err})", *["-"] * 7, style="dim")
             continue
         mark = " *" if r is best else ""
-        per = " ".join(_gib(b) for b in r.peak_device) if len(r.peak_device) <= 8 else (
-            f"{_gib(min(r.peak_device))}..{_gib(max(r.peak_device))}")
-        t.add_row(r.schedule + mark, r.strategy, str(r.vpp), f"{r.step_us / 1e3:.3f}", f"{r.ratio_to_bound:.3f}",
-                  f"{r.bubble * 100:.1f}%", f"{r.exposed_ep_us / 1e3:.2f} ({r.exposed_ep_ratio * 100:.1f}%)",
-                  f"{r.exposed_collective_us / 1e3:.2f} ({r.exposed_collective_ratio * 100:.1f}%)",
-                  _gib(r.peak_device_max), per, f"{r.p2p_bytes / 2**20:.1f}", f"{r.plan_s:.2f}", "")
-    t.caption = "* fastest k3 row; bubble and exposed comm are means over stages; x bound = step / lower bound"
+        if wide:
+            per = " ".join(_gib(b) for b in r.peak_device) if len(r.peak_device) <= 8 else (
+                f"{_gib(min(r.peak_device))}..{_gib(max(r.peak_device))}")
+            t.add_row(r.schedule + mark, r.strategy, str(r.vpp), f"{r.step_us / 1e3:.3f}", f"{r.ratio_to_bound:.3f}",
+                      f"{r.bubble * 100:.1f}%", f"{r.exposed_ep_us / 1e3:.2f} ({r.exposed_ep_ratio * 100:.1f}%)",
+                      f"{r.exposed_collective_us / 1e3:.2f} ({r.exposed_collective_ratio * 100:.1f}%)",
+                      _gib(r.peak_device_max), per, f"{r.p2p_bytes / 2**20:.1f}", f"{r.plan_s:.2f}", "")
+        else:
+            t.add_row(r.schedule + mark, r.strategy, str(r.vpp), f"{r.step_us / 1e3:.3f}", f"{r.ratio_to_bound:.3f}",
+                      f"{r.bubble * 100:.1f}%", f"{r.exposed_ep_ratio * 100:.1f}%",
+                      f"{r.exposed_collective_ratio * 100:.1f}%", _gib(r.peak_device_max),
+                      f"{r.p2p_bytes / 2**20:.1f}", f"{r.plan_s:.2f}")
+    t.caption = ("* fastest k3 row; bubble and exposed comm (share of the step) are means over stages; x bound = "
+                 "step / lower bound; peak = the highest stage" + ("" if wide else "; --wide: every column"))
     return t
+
+
+def render_notes(rows: list[Row]) -> list[str]:
+    """The reasons of the rows that could not be planned, numbered as :func:`render_table` marks
+    them (``(n) schedule: reason``)."""
+    errs = [r for r in rows if not r.ok]
+    return [f"({n}) {r.schedule}: {r.error}" for n, r in enumerate(errs, 1)]
 
 
 def write_compare(rows: list[Row], plans: "list[Plan | None] | None", out_dir: str | Path, png: bool = True
@@ -209,10 +237,10 @@ def write_compare(rows: list[Row], plans: "list[Plan | None] | None", out_dir: s
 
 
 def compare_command(config_path: str | Path, schedules: list[str] | None, out: Path | None,
-                    overrides: list[str] | None, console: "Console") -> int:
-    """``k3sched compare CONFIG [--schedules a,b] [--out DIR] [--set K=V]``: print the table, write
-    outputs. Exit code: 0 when at least one row planned, 1 when none did, 2 on a bad config or
-    schedule name (one line on the console)."""
+                    overrides: list[str] | None, console: "Console", wide: bool = False) -> int:
+    """``k3sched compare CONFIG [--schedules a,b] [--out DIR] [--set K=V] [--wide]``: print the table
+    (within 120 columns unless ``wide``), write outputs. Exit code: 0 when at least one row planned,
+    1 when none did, 2 on a bad config or schedule name (one line on the console)."""
     try:
         cfg = load_config(config_path, overrides)
         rows = compare(cfg, schedules)
@@ -220,7 +248,10 @@ def compare_command(config_path: str | Path, schedules: list[str] | None, out: P
         console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     console.print(render_table(rows, f"{cfg.model.name}: pp {cfg.parallel.pp}, {cfg.parallel.microbatches} "
-                                     f"micro-batches, serial on {cfg.schedule.pipeline}"))
+                                     f"micro-batches, serial on {cfg.schedule.pipeline}", wide=wide))
+    if not wide:
+        for line in render_notes(rows):
+            console.print(line, highlight=False, markup=False)
     if out is not None:
         for path in write_compare(rows, None, out):
             console.print(f"wrote {path}", highlight=False)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from k3sched.compare import SCHEDULES, best_row, compare, compare_command, render_table, variant, write_compare
+from k3sched.compare import (SCHEDULES, best_row, compare, compare_command, render_notes, render_table, variant,
+                             write_compare)
 from k3sched.config import ConfigError, load_config
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
@@ -83,3 +84,28 @@ def test_compare_command(tmp_path) -> None:
     assert compare_command(TINY, ["bogus"], None, None, console) == 2
     assert compare_command(tmp_path / "missing.yaml", None, None, None, console) == 2
     assert "error" in console.export_text()
+
+
+def test_default_table_fits_120_columns_and_wide_has_everything(rows) -> None:
+    cfg = load_config(TINY, ["parallel.pp=4", "parallel.microbatches=4"])  # vpp-2 schedules skipped
+    some = rows + compare(cfg, ["zb-v"])
+    console = Console(width=120, record=True)
+    console.print(render_table(some))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 120
+    for s in SCHEDULES:
+        assert s in text
+    assert "skipped (1)" in text and "per stage" not in text
+    assert render_notes(some) == [f"(1) zb-v: {some[-2].error}"]
+    wide = Console(width=240, record=True)
+    wide.print(render_table(some, wide=True))
+    wtext = wide.export_text()
+    assert "peak dev GiB per stage" in wtext and "skipped: zb-v needs" in wtext
+
+
+def test_compare_command_narrow_prints_notes(tmp_path) -> None:
+    console = Console(width=120, record=True)
+    assert compare_command(TINY, ["1f1b", "zb-v"], None, ["parallel.pp=4"], console) == 0
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "(1) zb-v: skipped" in text
