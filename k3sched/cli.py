@@ -1,4 +1,4 @@
-"""The ``k3sched`` command line: plan, compare, run, validate, calibrate, probe.
+"""The ``k3sched`` command line: plan, compare, tune, run, validate, calibrate, probe.
 
 [Note: CLI error boundary]
 Exit codes, every command: 0 success (``validate``: the traces conform), 1 ``validate``: they do
@@ -308,6 +308,8 @@ def compare(
     out: Optional[Path] = typer.Option(None, help="Write each plan.json, compare.json and one PNG with the "
                                                   "timelines stacked."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE."),
+    wide: bool = typer.Option(False, "--wide", help="Every column (per-stage peaks, ms and %, notes in the table); "
+                                                    "default: a table within 120 columns."),
 ) -> None:
     """Plan one config under every pipeline schedule (k3) and serial; print a comparison table."""
     from .compare import compare_command
@@ -315,7 +317,35 @@ def compare(
     _load(config, set_)
     _check_out("--out", out, directory=True)
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else None
-    raise typer.Exit(compare_command(config, names, out, set_, console))
+    cols = shutil.get_terminal_size((120, 24)).columns
+    out_console = Console(width=max(200, cols) if wide else min(120, cols))
+    raise typer.Exit(compare_command(config, names, out, set_, out_console, wide=wide))
+
+
+@command()
+def tune(
+    config: Path = typer.Argument(..., help="YAML config."),
+    budget: Optional[float] = typer.Option(None, help="Device memory budget per rank, GiB (default: "
+                                                      "schedule.device_memory_budget, else hardware.device_memory_gb)."),
+    time_limit: float = typer.Option(600.0, help="Stop after this many seconds with the best found so far."),
+    jobs: Optional[int] = typer.Option(None, help="Planning processes (default: one per CPU core)."),
+    out: Optional[Path] = typer.Option(None, help="Write best/plan.json, best/overrides.txt, pareto.png, tune.json."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE."),
+) -> None:
+    """Search schedule, vpp, micro-batching, offload, recompute, FP8, WGrad lag, look-ahead and gradient
+    offload for the fastest step within the budget; print the Pareto front and the gain over the Megatron
+    default."""
+    from .tune import tune_command
+
+    _load(config, set_)
+    _number("--time-limit", time_limit, gt=0, unit="seconds")
+    if budget is not None:
+        _number("--budget", budget, gt=0, le=1e7, unit="GiB")
+    if jobs is not None:
+        _number("--jobs", jobs, ge=1)
+    _check_out("--out", out, directory=True)
+    out_console = Console(width=min(120, shutil.get_terminal_size((120, 24)).columns))
+    raise typer.Exit(tune_command(config, set_, budget, time_limit, jobs, out, out_console))
 
 
 @command()
