@@ -217,14 +217,7 @@ def summary_table(p, title: str | None = None) -> Table:
 def write_outputs(p, out: Path, png: bool = True) -> list[Path]:
     from . import render
 
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "plan.json", out / "plan.trace.json", out / "timeline.txt"]
-    paths[0].write_bytes(render.dumps_plan_bytes(p))
-    paths[1].write_bytes(render.dumps_trace_bytes(p))
-    paths[2].write_text(render.ascii_timeline(p, 160) + "\n")
-    if png:
-        paths.append(render.png_timeline(p, out / "timeline.png"))
-    return paths
+    return render.write_outputs(p, out, png)  # [Note: parallel outputs]
 
 
 @command()

@@ -93,3 +93,20 @@ def test_help_explains_itself(sub):
     r = subprocess.run([sys.executable, "-m", "k3sched.cli", sub, "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "Usage" in r.stdout
+
+
+def test_parallel_outputs_match_sequential_and_report_child_errors(tiny_cfg, tmp_path):
+    from k3sched.render import write_outputs
+
+    p = plan(tiny_cfg)
+    seq = write_outputs(p, tmp_path / "seq", parallel=False)
+    par = write_outputs(p, tmp_path / "par", parallel=True)
+    assert [x.name for x in seq] == [x.name for x in par] == ["plan.json", "plan.trace.json", "timeline.txt",
+                                                              "timeline.png"]
+    for a, b in zip(seq, par):
+        assert a.read_bytes() == b.read_bytes(), a.name
+    bad = tmp_path / "bad"
+    (bad / "plan.trace.json").mkdir(parents=True)  # the child cannot write the trace
+    with pytest.raises(OSError):
+        write_outputs(p, bad, parallel=True)
+    assert (bad / "plan.json").stat().st_size > 0
