@@ -266,6 +266,8 @@ class Tuner:
                 key, r, fut = item
                 for k, v in fut.get().items():
                     setattr(r, k, v)
+                if r.ok:  # keep time to re-plan the best and write it: twice a plan as slow as this one
+                    self.reserve_s = min(0.4 * self.time_limit_s, max(self.reserve_s, 2.0 * r.plan_s + 1.0))
                 self.cache[key] = r
                 self.results.append(r)
                 out.append(r)
@@ -445,11 +447,12 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
 
     from .config import load_config
 
+    t_start = time.perf_counter()
     cfg = load_config(config_path, overrides)
     budget = float(budget_gib if budget_gib is not None else (cfg.schedule.device_memory_budget
                                                              or cfg.hardware.device_memory_gb))
     jobs = max(1, jobs or os.cpu_count() or 1)
-    tuner = Tuner(cfg, budget, time_limit_s, jobs)
+    tuner = Tuner(cfg, budget, time_limit_s, jobs, t0=t_start)
     bar = None
     if progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -477,8 +480,6 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
         megatron = mres[0] if mres else None
         if megatron is not None:
             tuner.results.remove(megatron) if megatron in tuner.results else None
-        # the reserve: time to re-plan and write the best at the end
-        tuner.reserve_s = max(2.0, 2.5 * max([r.plan_s for r in mres] + [0.5]))
         search(tuner, pool)
     finally:
         if pool is not None:
