@@ -81,19 +81,21 @@ def test_checkpoint_loads_into_another_layout(straight, three, tmp_path):
     assert s["losses"] == pytest.approx(straight[3:], abs=1e-5, rel=0)
 
 
-@pytest.mark.parametrize("switch", ["schedule.grad_offload=true", "schedule.act_quant=fp8"],
-                         ids=["grad_offload", "fp8"])
-def test_resume_is_bitwise_with(switch, tmp_path):
+def test_resume_is_bitwise_with_grad_offload_and_fp8_activations(tmp_path):
+    """Host fp32 parameter shards and their AdamW state (grad_offload) and FP8 activation storage,
+    in one run (each launch costs ~20 s of start-up here)."""
+    switches = ["schedule.grad_offload=true", "schedule.act_quant=fp8"]
     a, b = tmp_path / "a", tmp_path / "b"
-    assert _run(a, 6, [switch], save_every=3) == 0
+    assert _run(a, 6, switches, save_every=3) == 0
     full = _summary(a)["losses"]
-    assert _run(b, 6, [switch], resume=str(a / "checkpoints" / "step_3")) == 0
+    assert _run(b, 6, switches, resume=str(a / "checkpoints" / "step_3")) == 0
     assert _summary(b)["losses"] == full[3:], (_summary(b)["losses"], full)
-    if "grad_offload" in switch:  # the host fp32 shards are in, per parameter and expert
-        from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # the host shards are in, per parameter and expert
 
-        keys = FileSystemReader(str(a / "checkpoints" / "step_3")).read_metadata().state_dict_metadata
-        assert {"master.layers.1.w1.e0", "master.layers.3.wqkv", "optim.layers.1.w1.e7.exp_avg"} <= set(keys)
+    keys = FileSystemReader(str(a / "checkpoints" / "step_3")).read_metadata().state_dict_metadata
+    assert {"master.layers.1.w1.e0", "master.layers.3.wqkv", "optim.layers.1.w1.e7.exp_avg"} <= set(keys)
+    marker = json.loads((a / "checkpoints" / "step_3" / ck.MARKER).read_text())
+    assert marker["grad_offload"] is True and marker["act_quant"] == "fp8"
 
 
 def test_rank_killed_during_a_checkpoint_write_then_resume_latest(straight, tmp_path, capfd):
