@@ -362,6 +362,12 @@ def run(
                                                 "blocking (dcp.save before the next step)."),
     resume: Optional[str] = typer.Option(None, help="Continue from checkpoint DIR, or latest (the newest complete "
                                                     "one under OUT), up to --steps; the layout may differ."),
+    racecheck: bool = typer.Option(False, "--racecheck", help="Record which task touches each tensor; fail (exit 1, "
+                                                              "one line per race) when two tasks of a rank touch one, "
+                                                              "at least one writing, with no happens-before path."),
+    drop_dep: Optional[List[str]] = typer.Option(None, "--drop-dep", metavar="CONSUMER=PRODUCER",
+                                                 help="Debug: remove this plan dependency before running "
+                                                      "(repeatable; proves --racecheck)."),
 ) -> None:
     """Train STEPS steps of the config for real under torchrun (gloo on CPU, NCCL on GPU), following
     the plan on five lanes; write plan.json, per-rank traces and a summary into OUT."""
@@ -381,7 +387,8 @@ def run(
 
     raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
                                  emulate_links=emulate_links,
-                                 save_every=save_every, save_mode=save_mode, resume=resume, p2p=p2p))
+                                 save_every=save_every, save_mode=save_mode, resume=resume, p2p=p2p,
+                                 racecheck=racecheck, drop_deps=list(drop_dep or [])))
 
 
 @command()

@@ -15,7 +15,10 @@ Backward (I):  up -> combine.bwd (ep) -> expert.dx -> dispatch.bwd (ep) -> route
                optional dispatch.re (ep, from `up`) re-runs the dispatch for expert.dw (EP-DR)
 Backward (W):  attn.dw <- attn.dx, shared.dw <- shared.dx, expert.dw <- expert.dx (+ dispatch.re)
 These are the data dependencies of the ``moe`` sub-ops (``moe.INTRA_LAYER_DEPS``), which the
-runtime executes as planned.
+runtime executes as planned. shared.dx (compute lane) and dispatch.bwd (ep lane) stay unordered so
+they overlap: each writes its own partial gradient of the FFN input, and router.bwd, which waits for
+both, sums them ([Note: partial input gradients] in moe/context.py); ``k3sched run --racecheck``
+checks that no two unordered tasks touch one tensor ([Note: race detector] in runtime/racecheck.py).
 A dense layer has mlp.fwd / mlp.dx / mlp.dw in place of the MoE ops. ``up`` is the input
 gradient from the layer above (attn.dx), the head (head.dx) or the next stage (grad.recv).
 """

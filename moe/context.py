@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe import handoff as _ho
 from moe.split import SubOpCtx
 
 OPS: tuple[str, ...] = ("attn", "router", "dispatch", "shared", "expert", "combine", "mlp")
@@ -42,12 +43,94 @@ class RoutingPlan:
     local_unsort_N: Tensor
 
 
+class _Handed:
+    """A boundary tensor of :class:`LayerCtx` (or its ``RoutingPlan``): a hand-off cell between
+    tasks. Reading it hands the tensor to the reader's stream ([Note: cross-lane handoff]); both
+    directions are recording points of the race detector ([Note: race detector hooks])."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        v = obj.__dict__.get(self.slot)
+        for t in _tensors(v):
+            _ho.handoff(t)
+        if _ho.HOOK is not None:
+            what = f"{obj.label}.{self.name}"
+            _ho.cell(obj, self.name, False, what, v is not None)
+            for t in _tensors(v):
+                _ho.read(t, what, True)
+        return v
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+        if _ho.HOOK is not None:
+            what = f"{obj.label}.{self.name}"
+            _ho.cell(obj, self.name, True, what)
+            for t in _tensors(value):
+                _ho.publish(t, what)
+
+
+def _tensors(v) -> tuple:
+    """The tensors of a boundary value: itself, or a RoutingPlan's index tensors."""
+    if v is None:
+        return ()
+    if isinstance(v, Tensor):
+        return (v,)
+    if isinstance(v, RoutingPlan):
+        return (v.order_P, v.token_of_slot_P, v.inv_order_P, v.recv_counts_RL, v.local_sort_N, v.local_unsort_N)
+    return ()
+
+
+class _HandedList(list):
+    """``MicroBatch.acts`` / ``grads``: a list whose items are hand-off cells (layer inputs and
+    their gradients, P2P receive buffers), like :class:`_Handed`."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, items, label: str) -> None:
+        super().__init__(items)
+        self.label = label
+
+    def __getitem__(self, i):
+        v = super().__getitem__(i)
+        if isinstance(i, int):
+            if isinstance(v, Tensor):
+                _ho.handoff(v)
+            if _ho.HOOK is not None:
+                k = i % len(self)
+                what = f"{self.label}[{k}]"
+                _ho.cell(self, k, False, what, v is not None)
+                _ho.read(v, what, True)
+        return v
+
+    def __setitem__(self, i, v) -> None:
+        super().__setitem__(i, v)
+        if isinstance(i, int) and _ho.HOOK is not None:
+            k = i % len(self)
+            what = f"{self.label}[{k}]"
+            _ho.cell(self, k, True, what)
+            _ho.publish(v, what)
+
+
 @dataclass(eq=False)
 class LayerCtx:
     """State of one layer for one micro-batch: sub-op contexts plus boundary tensors.
 
     Boundary tensors are detached; each is cleared when its last consumer task has run, so a
     context holds, between tasks, only what a later task needs (and the sub-op stores).
+
+    [Note: partial input gradients]
+    Four tasks produce a gradient of the normed FFN input ``xn``: dispatch.bwd (ep lane),
+    shared.dx (compute lane), router.bwd and, in a dense layer, mlp.dx. The plan orders
+    dispatch.bwd and shared.dx before router.bwd but not with each other (they overlap), so they
+    must not add into one buffer: a Python lock would order the host calls, not the kernels on two
+    streams. The runtime's shared.dx writes its own partial ``grad_xn_shared_TD``; router.bwd, which
+    follows both, folds it in (:meth:`fold_grad_xn_shared`) before adding its own:
+    ``(dispatch + shared) + router``, the values the shared accumulator gave (``a + b == b + a`` in
+    floating point). ``moe``'s own in-order execution keeps calling :meth:`add_grad_xn`.
     """
 
     layer: int
@@ -59,30 +142,55 @@ class LayerCtx:
     expert: SubOpCtx | None = None
     combine: SubOpCtx | None = None
     mlp: SubOpCtx | None = None
-    plan: RoutingPlan | None = None
     aux: Tensor | None = None
     """Load-balancing loss of this layer (detached value)."""
     recompute_name: str | None = None
     """Name of the expert input evicted for dispatch recompute (in ``expert.store``)."""
+    label: str = ""
+    """How reports name this context (``mb<m>/L<l>`` in the runtime; default ``L<layer>``)."""
+
+    # Boundary tensors (class-level descriptors, not dataclass fields): each read and write is a
+    # hand-off point ([Note: cross-lane handoff] in moe/handoff.py).
+    plan = _Handed()  # RoutingPlan
     # forward boundary tensors
-    h_BSD: Tensor | None = None
-    xn_TD: Tensor | None = None
-    topk_idx_TK: Tensor | None = None
-    topk_w_TK: Tensor | None = None
-    recv_ND: Tensor | None = None
-    expert_out_ND: Tensor | None = None
-    shared_TD: Tensor | None = None
+    h_BSD = _Handed()
+    xn_TD = _Handed()
+    topk_idx_TK = _Handed()
+    topk_w_TK = _Handed()
+    recv_ND = _Handed()
+    expert_out_ND = _Handed()
+    shared_TD = _Handed()
     # backward boundary gradients
-    grad_h_BSD: Tensor | None = None
-    grad_xn_TD: Tensor | None = None
-    grad_topk_w_TK: Tensor | None = None
-    grad_expert_out_ND: Tensor | None = None
-    grad_recv_ND: Tensor | None = None
-    grad_shared_TD: Tensor | None = None
+    grad_h_BSD = _Handed()
+    grad_xn_TD = _Handed()
+    grad_topk_w_TK = _Handed()
+    grad_expert_out_ND = _Handed()
+    grad_recv_ND = _Handed()
+    grad_shared_TD = _Handed()
+    grad_xn_shared_TD = _Handed()
+    """shared.dx's partial gradient of xn, kept apart from ``grad_xn_TD`` (see
+    [Note: partial input gradients])."""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = f"L{self.layer}"
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in OPS and value is not None:
+            value.store.where = self.label  # reports name saved tensors mb<m>/L<l>/<op>.<entry>
+        object.__setattr__(self, name, value)
 
     def add_grad_xn(self, g: Tensor) -> None:
         """Accumulate a gradient of the normed FFN input (router, dispatch, shared, mlp)."""
         self.grad_xn_TD = g if self.grad_xn_TD is None else self.grad_xn_TD + g
+
+    def fold_grad_xn_shared(self) -> None:
+        """Add shared.dx's partial gradient into ``grad_xn_TD`` (run by router.bwd, which follows
+        both shared.dx and dispatch.bwd; see [Note: partial input gradients])."""
+        g = self.grad_xn_shared_TD
+        if g is not None:
+            self.grad_xn_shared_TD = None
+            self.add_grad_xn(g)
 
     def sub_ops(self) -> dict[str, SubOpCtx]:
         """The sub-op contexts created so far, by op name."""
@@ -112,6 +220,7 @@ class LayerCtx:
     def clear_backward_boundaries(self) -> None:
         self.grad_h_BSD = self.grad_xn_TD = self.grad_topk_w_TK = None
         self.grad_expert_out_ND = self.grad_recv_ND = self.grad_shared_TD = None
+        self.grad_xn_shared_TD = None
 
 
 @dataclass(eq=False)
@@ -136,6 +245,15 @@ class MicroBatch:
     """Cross-entropy (detached), set by head.fwd."""
     loss: Tensor | None = None
     """``ce + aux_loss_coef * sum of the layers' aux losses`` (detached, unscaled), set by head.fwd."""
+
+    def __post_init__(self) -> None:
+        self.acts = _HandedList(self.acts, f"mb{self.index}.acts")
+        self.grads = _HandedList(self.grads, f"mb{self.index}.grads")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("embed", "head") and value is not None:
+            value.store.where = f"mb{self.index}"
+        object.__setattr__(self, name, value)
 
     def all_saved_tensors(self) -> dict[str, Tensor]:
         """Saved tensors of every context, names prefixed ``L<layer>/``, ``embed/``, ``head/``."""

@@ -19,7 +19,10 @@ Every sub-op (``attn.fwd``, ``expert.fwd`` ...) builds its own small autograd gr
 * Outputs are kept as ``GradientEdge`` s, not tensors, so holding a context pins no output data.
 
 The dX task is ``torch.autograd.backward`` over the sub-op's output edges; afterwards the store
-drops what only the graph needed. The dW task applies the slots and drops the rest.
+drops what only the graph needed. The dW task applies the slots and drops the rest. A tensor the
+store hands out or drops is handed to the current stream first ([Note: cross-lane handoff] in
+moe/handoff.py): a saved tensor may come from another lane (an onload, an FP8 read-back, another
+lane's forward), and the kernels ``backward()`` just queued may still read what the store drops.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
+
+from moe import handoff as _ho
 
 GRAPH_USER = "graph"
 """Store user tag of tensors saved by a sub-op's autograd graph (released after its dX task)."""
@@ -67,6 +72,11 @@ class SavedStore:
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _alias: dict[tuple, str] = field(default_factory=dict)
     _count: int = 0
+    where: str = ""
+    """Owner label for reports (``mb<m>/L<l>``; set by the layer context)."""
+
+    def _what(self, name: str) -> str:
+        return f"{self.where}/{name}" if self.where else name
 
     def put(self, t: Tensor, user: str, name: str | None = None) -> str:
         """Keep ``t`` (detached) for ``user``; return its name (an existing one if aliased)."""
@@ -75,6 +85,9 @@ class SavedStore:
         existing = self._alias.get(key)
         if existing is not None:
             self._entries[existing].users.add(user)
+            if _ho.HOOK is not None:
+                _ho.cell(self, existing, False, self._what(existing))
+                _ho.read(t, self._what(existing), True)
             return existing
         if name is None:
             name = f"{self.prefix}.saved{self._count}"
@@ -83,6 +96,9 @@ class SavedStore:
             raise KeyError(f"saved tensor {name!r} already exists")
         self._entries[name] = _Entry(t, {user}, tuple(t.shape), t.dtype, key)
         self._alias[key] = name
+        if _ho.HOOK is not None:
+            _ho.cell(self, name, True, self._what(name))
+            _ho.publish(t, self._what(name))
         return name
 
     def _forget_alias(self, entry: _Entry) -> None:
@@ -92,9 +108,15 @@ class SavedStore:
 
     def get(self, name: str) -> Tensor:
         """The tensor saved as ``name``; raises if it was evicted for recompute and not restored."""
-        entry = self._entries[name]
+        entry = self._entries.get(name)
+        if _ho.HOOK is not None:
+            _ho.cell(self, name, False, self._what(name), entry is not None and entry.tensor is not None)
+        if entry is None:
+            raise KeyError(name)
         if entry.tensor is None:
             raise RuntimeError(f"saved tensor {name!r} was evicted for recompute and not restored")
+        _ho.handoff(entry.tensor)
+        _ho.read(entry.tensor, self._what(name), True)
         return entry.tensor
 
     def release(self, name: str, user: str) -> None:
@@ -105,7 +127,9 @@ class SavedStore:
         entry.users.discard(user)
         if not entry.users:
             self._forget_alias(entry)
+            _ho.handoff(entry.tensor)  # the kernels that read it may still be queued on this stream
             del self._entries[name]
+            _ho.cell(self, name, True, self._what(name))
 
     def release_user(self, user: str) -> None:
         """Release every entry held for ``user``."""
@@ -116,11 +140,14 @@ class SavedStore:
         """Drop the data of ``name`` but keep the entry; :meth:`restore` must refill it."""
         entry = self._entries[name]
         self._forget_alias(entry)
+        _ho.handoff(entry.tensor)
         entry.tensor = None
+        _ho.cell(self, name, True, self._what(name))
 
     def restore(self, name: str, t: Tensor) -> None:
         """Refill an entry emptied by :meth:`evict` (or replace it) with recomputed data."""
         self.replace(name, t)
+        _ho.publish(t, self._what(name))
 
     def replace(self, name: str, t: Tensor) -> None:
         """Swap the tensor of ``name`` (offload: a host copy; onload: a device copy)."""
@@ -130,6 +157,7 @@ class SavedStore:
                              f"expected {entry.shape} {entry.dtype}")
         self._forget_alias(entry)
         entry.tensor = t.detach()
+        _ho.cell(self, name, True, self._what(name))  # the caller records the bytes it wrote
 
     def saved_tensors(self) -> dict[str, Tensor]:
         """Live saved tensors by name (entries evicted for recompute are left out)."""
@@ -211,6 +239,7 @@ class WGradSlot:
             p.grad = dw
         else:
             p.grad.add_(dw)
+        _ho.write(p.grad, f"{self.store.where}/{self.name}.grad")
         self.store.release(self.x_name, self.name)
         self.store.release(self.g_name, self.name)
         self.x_name = self.g_name = None

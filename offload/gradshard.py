@@ -39,6 +39,9 @@ micro-batches (``grad.rs`` buckets on the collective lane, then ``gshard.onload`
   segments: same members and order as ``dense``; ``optim_expert`` for expert segments: as
   ``expert``). Without a reduction (dp = ep = 1) the plan has no grad.rs: ``gshard.add`` packs
   the accumulator itself and the shard is the whole layer.
+- Race detector ([Note: race detector hooks] in moe/handoff.py): each task reports the
+  accumulators, buffer ranges and shards it reads and writes; a ``grad.rs`` that waits on the
+  fence of an earlier use reports that ordering (``sync_from`` the ``gshard.add`` that signalled it).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from moe import handoff
 
 from .manager import DELAY_ENV
 from .pool import BufferPool, fence_wait
@@ -91,6 +96,7 @@ class _Use:
     end: int
     done: threading.Event = field(default_factory=threading.Event)
     cuda: object = None  # CUDA event recorded after the consuming add (GPU)
+    task: str | None = None  # the task that signalled it (race detector)
 
 
 class GradShards:
@@ -234,6 +240,7 @@ class GradShards:
         key = (self._flush_of[(layer, mb)], layer)
         with self._lock:
             acc = self._acc.get(key) or [None] * len(params)
+        handoff.cell(self._acc, key, False, f"L{layer} group mb{key[0]} accumulator")
         for p, g in zip(params, acc):
             p.grad = g
         try:
@@ -241,12 +248,15 @@ class GradShards:
         finally:
             with self._lock:
                 self._acc[key] = [p.grad for p in params]
+            handoff.cell(self._acc, key, True, f"L{layer} group mb{key[0]} accumulator")
             for p in params:
                 p.grad = None
 
     def _take(self, key: tuple[int, int]) -> list[Tensor | None]:
         with self._lock:
-            return self._acc.get(key) or [None] * len(self.params[key[1]])
+            acc = self._acc.get(key)
+        handoff.cell(self._acc, key, False, f"L{key[1]} group mb{key[0]} accumulator", acc is not None)
+        return acc or [None] * len(self.params[key[1]])
 
     # -- buffer fences -----------------------------------------------------------------------------
     def _claim(self, key: tuple[int, int], start: int, end: int) -> None:
@@ -269,6 +279,7 @@ class GradShards:
                                        f"pending after {self.fence_timeout_s:.0f} s")
             if u.cuda is not None:
                 torch.cuda.current_stream(self.device).wait_event(u.cuda)
+            handoff.sync_from(u.task)
         if blocked:
             with self._lock:
                 self.stats.fence_waits += 1
@@ -282,6 +293,7 @@ class GradShards:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             u.cuda = ev
+        u.task = handoff.current_task()
         u.done.set()
 
     def _pool_fence(self):
@@ -293,6 +305,7 @@ class GradShards:
 
     def _temp(self, n: int) -> tuple[Tensor, Tensor]:
         raw = self.pool.acquire(4 * max(1, n), torch.float32)
+        handoff.fresh(raw, "gradient shard temporary")
         return raw, raw[:n]
 
     # -- reduce-scatter into the chunk buffer --------------------------------------------------------
@@ -314,8 +327,12 @@ class GradShards:
                 for g in grads:
                     if g is not None:
                         g.record_stream(torch.cuda.current_stream(self.device))
+            for g in grads:
+                handoff.read(g, f"L{L} group mb{key[0]} accumulated grad")
             raw, flat = self._temp(s.world * s.k)
             self._flat(grads, s.world * s.k, torch.float32, like=s.params, out=flat)
+            handoff.write(flat, f"L{L} packed grads")
+            handoff.write(out, f"L{L} chunk buffer {slot} region")
             group = self.rs_groups[int(s.expert)]
             if s.world > 1:
                 _reduce_scatter(out, flat, group=group)
@@ -334,6 +351,8 @@ class GradShards:
             if done:
                 self._rs_left.pop(key, None)
                 self._acc.pop(key, None)
+        if done:
+            handoff.cell(self._acc, key, True, f"L{L} group mb{key[0]} accumulator")
 
     def grad_rs(self, t) -> None:
         """grad.rs(.bN) of group (t.mb, t.layer) on the collective lane."""
@@ -349,9 +368,12 @@ class GradShards:
         L = t.layer
         raw, dev = self._temp(self.shard_numel[L])
         dev.copy_(self.host[L], non_blocking=self.cuda)
+        handoff.read(self.host[L], f"L{L} host gradient shard")
+        handoff.write(dev, f"L{L} onloaded gradient shard")
         self._delay()
         with self._lock:
             self._onloaded[(t.mb, L)] = (raw, dev)
+        handoff.cell(self._onloaded, (t.mb, L), True, f"L{L} onloaded gradient shard (mb{t.mb})")
 
     def add(self, t) -> None:
         """gshard.add: shard += the group's reduced gradient (compute lane); frees the buffer range."""
@@ -360,8 +382,14 @@ class GradShards:
             self._consume(key, None)
         slot, r0, r1 = self.region[L]
         with self._lock:
-            _, dev = self._onloaded[key]
+            got = self._onloaded.get(key)
+        handoff.cell(self._onloaded, key, False, f"L{L} onloaded gradient shard (mb{t.mb})", got is not None)
+        if got is None:
+            raise RuntimeError(f"layer {L}: no onloaded gradient shard for micro-batch {t.mb} (gshard.onload not run)")
+        _, dev = got
         dev.add_(self.buffers[slot][r0:r1])
+        handoff.read(self.buffers[slot][r0:r1], f"L{L} chunk buffer {slot} region")
+        handoff.write(dev, f"L{L} onloaded gradient shard")
         self._release_region(key)
         with self._lock:
             self.stats.flushes += 1
@@ -370,8 +398,15 @@ class GradShards:
         """gshard.offload: the accumulated shard back to host memory; device buffer to the pool."""
         key, L = (t.mb, t.layer), t.layer
         with self._lock:
-            raw, dev = self._onloaded.pop(key)
+            got = self._onloaded.pop(key, None)
+        handoff.cell(self._onloaded, key, False, f"L{L} onloaded gradient shard (mb{t.mb})", got is not None)
+        if got is None:
+            raise RuntimeError(f"layer {L}: no onloaded gradient shard for micro-batch {t.mb} (gshard.onload not run)")
+        handoff.cell(self._onloaded, key, True, f"L{L} onloaded gradient shard (mb{t.mb})")
+        raw, dev = got
         self.host[L].copy_(dev, non_blocking=False)
+        handoff.read(dev, f"L{L} onloaded gradient shard")
+        handoff.write(self.host[L], f"L{L} host gradient shard")
         self.pool.release(raw, self._pool_fence())
         self._delay()
 
@@ -405,6 +440,7 @@ class GradShards:
         updated parameters, zero the gradient shards."""
         for L, m in self.master.items():
             m.grad = self.host[L]
+            handoff.write(self.host[L], f"L{L} host gradient shard")  # read, then zeroed below
         self.optimizer.step()
         for m in self.master.values():
             m.grad = None

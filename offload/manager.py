@@ -46,6 +46,16 @@ plan tasks of their own (``runtime.stage.StageRunner._tracked``):
 Debug checksums cover the FP8 payload (taken on quantize, verified on dequantize), and the
 residency check treats a quantized set as not resident.
 
+Streams and the race detector. The device pool allocates on the compute stream
+(:meth:`ActivationManager.bind_compute_stream`; the other lanes get its buffers through the
+fences). Every copy reports what it reads and writes to the race detector ([Note: race
+detector hooks] in moe/handoff.py): the set's storages read by an offload or quantize, the pool
+buffer each copy fills (a new life of the buffer), the saved names it empties or refills. An
+FP8 read-back is attributed to the task that quantized the set: it only materialises that
+task's data, one lane at a time under the manager's lock, each lane's stream waiting for the
+read-backs before it; its outputs reach the reading lanes' streams through
+``SavedStore.get`` ([Note: cross-lane handoff]).
+
 Debug (``K3SCHED_OFFLOAD_DEBUG=1`` or ``debug=True``): every storage gets a checksum when it
 leaves (of its FP8 payload when quantized) that is verified when it returns; a mismatch raises
 naming the task and the tensor. ``copy_delay_s`` (or ``K3SCHED_OFFLOAD_DELAY_S``) sleeps inside
@@ -63,6 +73,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from moe import handoff
 
 from .pool import BufferPool, fence_wait
 from .quant import FP8, TILE, Quantized, dequantize, quantize, quantized_nbytes
@@ -141,6 +153,7 @@ class _Set:
     device: Tensor | None = None
     fence: object = None
     packed: Tensor | None = None  # "fp8": the device-pool buffer holding payload + scales
+    owner: str | None = None  # "fp8": the task that quantized the set (its read-backs act for it)
 
 
 def _checksum(t: Tensor) -> int:
@@ -188,6 +201,14 @@ class ActivationManager:
         self._pending: list = []  # (work, tensor) of isends, waited at the end of the step
         self.log: list[tuple[str, str]] = []  # (task id, event) in debug mode
 
+    def bind_compute_stream(self, stream) -> None:
+        """Allocate the device pool's buffers on ``stream`` (the compute lane's; None: current)."""
+        self.device_pool.alloc_stream = stream
+
+    def _took(self, buf: Tensor, what: str) -> None:
+        """A pool buffer handed to this task, which fills it (race detector)."""
+        handoff.fresh(buf, what)
+
     # -- set layout ------------------------------------------------------------------------------
     def _layout(self, saved: dict[str, Tensor], fp8_only: bool = False
                 ) -> tuple[list[_Storage], list[tuple[_Storage, Tensor]], int, int]:
@@ -234,6 +255,8 @@ class ActivationManager:
         for s, t in srcs:
             src = _byte_view(t)
             slot = dst[s.pack_offset:s.pack_offset + s.pack_nbytes]
+            handoff.read(t, f"{task}: saved {s.views[0][0]}")
+            handoff.write(slot, f"{task}: packed {s.views[0][0]}")
             if s.fp8 is None:
                 slot.copy_(src, non_blocking=nb)
             else:
@@ -267,9 +290,12 @@ class ActivationManager:
             self._verify(rec.storages, packed, task)
         if any(s.fp8 for s in rec.storages) or packed.device != self.device or packed.device.type != self.device.type:
             dev = self.device_pool.acquire(rec.nbytes)
+            self._took(dev, f"{rec.buffer} (device)")
             for s in rec.storages:
                 slot = packed[s.pack_offset:s.pack_offset + s.pack_nbytes]
                 out = dev[s.offset:s.offset + s.nbytes]
+                handoff.read(slot, f"{rec.buffer} (packed)")
+                handoff.write(out, f"{rec.buffer}: {s.views[0][0]}")
                 if s.fp8 is None:
                     out.copy_(slot, non_blocking=self.device.type == "cuda")
                 else:
@@ -308,6 +334,7 @@ class ActivationManager:
         """act.offload: move the set's storages to one host-pool buffer; returns bytes moved."""
         st, srcs, nbytes, pack = self._layout(lc.saved_tensors())
         host = self.host_pool.acquire(pack)
+        self._took(host, f"{buffer} (host)")
         self._pack(srcs, host, task)
         fence = self._fence()
         if self.debug:
@@ -330,12 +357,15 @@ class ActivationManager:
             raise RuntimeError(f"task {task}: activation set {buffer} is not in the host pool (it is {rec.where})")
         fence_wait(rec.fence)  # the offload copy must have landed (its lane's event)
         dev = self.device_pool.acquire(rec.nbytes)
+        self._took(dev, f"{buffer} (device)")
         nb = self.device.type == "cuda"
         if any(s.fp8 for s in rec.storages):
             self.device_pool.release(dev)
             dev = self._unpack(rec, rec.host, lc, task)
         else:
             dev[:rec.pack_nbytes].copy_(rec.host[:rec.pack_nbytes], non_blocking=nb)
+            handoff.read(rec.host[:rec.pack_nbytes], f"{buffer} (host)")
+            handoff.write(dev[:rec.pack_nbytes], f"{buffer} (device)")
             if self.debug:
                 fence_wait(self._fence())
                 self._verify(rec.storages, dev, task)
@@ -362,6 +392,7 @@ class ActivationManager:
         if not st:
             return 0
         buf = self.device_pool.acquire(pack)
+        self._took(buf, f"{buffer} (fp8)")
         self._pack(srcs, buf, task)
         fence = self._fence()
         if self.debug:
@@ -372,7 +403,7 @@ class ActivationManager:
         with self._lock:
             if buffer in self._sets:
                 raise RuntimeError(f"task {task}: activation set {buffer} is already offloaded or quantized")
-            self._sets[buffer] = _Set(buffer, st, nbytes, pack, "fp8", fence=fence, packed=buf)
+            self._sets[buffer] = _Set(buffer, st, nbytes, pack, "fp8", fence=fence, packed=buf, owner=task)
         return pack
 
     def dequantize_resident(self, buffer: str, lc, task: str = "?", op: str | None = None,
@@ -401,17 +432,20 @@ class ActivationManager:
             if self.debug:
                 self._verify(todo, rec.packed, task)
             moved = 0
-            for s in todo:
-                n = s.nbytes // torch.empty((), dtype=s.fp8).element_size()
-                tiles = -(-n // TILE)
-                slot = rec.packed[s.pack_offset:s.pack_offset + s.pack_nbytes]
-                out = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
-                dequantize(Quantized(slot[:tiles * TILE].view(FP8), slot[tiles * TILE:tiles * TILE + tiles * 4]
-                                     .view(torch.float32), n, s.fp8), out.view(s.fp8))
-                for name, dtype, eoff, shape, stride in s.views:
-                    lc.replace(name, out.view(dtype).as_strided(shape, stride, eoff))
-                s.restored = True
-                moved += s.nbytes
+            with handoff.acting_as(rec.owner):
+                for s in todo:
+                    n = s.nbytes // torch.empty((), dtype=s.fp8).element_size()
+                    tiles = -(-n // TILE)
+                    slot = rec.packed[s.pack_offset:s.pack_offset + s.pack_nbytes]
+                    out = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
+                    dequantize(Quantized(slot[:tiles * TILE].view(FP8), slot[tiles * TILE:tiles * TILE + tiles * 4]
+                                         .view(torch.float32), n, s.fp8), out.view(s.fp8))
+                    handoff.read(slot, f"{buffer} (fp8)")
+                    handoff.write(out, f"{buffer}: {s.views[0][0]}")
+                    for name, dtype, eoff, shape, stride in s.views:
+                        lc.replace(name, out.view(dtype).as_strided(shape, stride, eoff))
+                    s.restored = True
+                    moved += s.nbytes
             fence = self._fence()
             left = any(not s.restored for s in rec.storages)
             with self._lock:
@@ -454,6 +488,7 @@ class ActivationManager:
         """act.roffload: pack the set into a device-pool buffer and send it to ``peer_rank``."""
         st, srcs, nbytes, pack = self._layout(lc.saved_tensors())
         buf = self.device_pool.acquire(pack)
+        self._took(buf, f"{buffer} (send)")
         self._pack(srcs, buf, task)
         if self.debug:
             fence_wait(self._fence())
@@ -480,7 +515,9 @@ class ActivationManager:
         self._recv(hdr, owner_rank, to_peer)
         n = int(hdr.item())
         buf = self.peer_pool.acquire(n)
+        self._took(buf, f"{buffer} (peer)")
         self._recv(buf[:n], owner_rank, to_peer + 1)
+        handoff.write(buf[:n], f"{buffer} (peer)")
         with self._lock:
             self._held[buffer] = _Set(buffer, [], n, n, "held", device=buf)
         return n
@@ -492,6 +529,7 @@ class ActivationManager:
             rec = self._held.pop(buffer)
         _, back = self._tags(mb, layer)
         self._isend(torch.tensor([rec.nbytes], dtype=torch.int64, device=self.device), owner_rank, back)
+        handoff.read(rec.device[:rec.nbytes], f"{buffer} (peer)")
         work = dist.isend(rec.device[:rec.nbytes], dst=owner_rank, group=self.remote_group, tag=back + 1)
         # held until the owner has it (a gloo Work reports completion only once waited, so the
         # pool is given the finished send, not the Work)
@@ -510,7 +548,9 @@ class ActivationManager:
         if n != rec.pack_nbytes:
             raise RuntimeError(f"task {task}: peer returned {n} bytes for {buffer}, expected {rec.pack_nbytes}")
         buf = self.device_pool.acquire(n)
+        self._took(buf, f"{buffer} (received)")
         self._recv(buf[:n], peer_rank, back + 1)
+        handoff.write(buf[:n], f"{buffer} (received)")
         dev = self._unpack(rec, buf, lc, task)
         if dev is not buf:
             self.device_pool.release(buf, self._fence())

@@ -27,6 +27,10 @@ send before they receive (gloo's send is a rendezvous too).
 A failing task aborts the step: the other lanes stop at their next wait and :meth:`run_step`
 re-raises the first error, naming the task. A wait longer than ``dep_timeout_s`` raises too
 (naming the task and the dependency), so a plan the runtime cannot follow never hangs silently.
+
+With a race detector (``racecheck``, [Note: race detector] in runtime/racecheck.py) every task is
+entered and left on it around its body, so the accesses it records are the task's; its
+happens-before order is this executor's: :meth:`Executor.dependencies` plus lane order.
 """
 
 from __future__ import annotations
@@ -264,13 +268,15 @@ class Executor:
     ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
     that the plan may leave implicit). ``nvtx``: push an NVTX range per task. ``serial``: one
     task at a time on this stage ([Note: serial execution]). ``shared_links``: groups of lanes whose
-    tasks run one at a time in planned order (plan.json ``shared_links``).
+    tasks run one at a time in planned order (plan.json ``shared_links``). ``racecheck``: a
+    :class:`runtime.racecheck.RaceChecker` (or anything with ``enter(id)`` / ``leave(id)``) told
+    which task each lane thread runs (settable after construction: ``racecheck`` attribute).
     """
 
     def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
                  stage: int = 0, device=None, perturb: tuple[str, int | None] | str | None = "env",
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
-                 nvtx: bool = True, serial: bool = False, shared_links: list | tuple = ()) -> None:
+                 nvtx: bool = True, serial: bool = False, shared_links: list | tuple = (), racecheck=None) -> None:
         self.rank, self.stage = rank, stage
         self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
         if perturb == "env":
@@ -301,6 +307,7 @@ class Executor:
         unknown = sorted({t.kind.value for t in self.tasks.values() if t.kind not in self.handlers})
         if unknown:
             raise ValueError(f"no handler for task kind(s) {', '.join(unknown)} (stage {stage})")
+        self.racecheck = racecheck
         self._cuda = None
         if device is not None and getattr(device, "type", str(device)) == "cuda":
             self._cuda = _CudaLanes(device)
@@ -382,6 +389,9 @@ class Executor:
             ev_start.record(stream)
         if self.use_nvtx:
             _nvtx.push_range(message=task.id, domain=NVTX_DOMAIN)
+        rc = self.racecheck
+        if rc is not None:
+            rc.enter(task.id)
         t0 = time.monotonic_ns()
         st.started[task.id].set()
         try:
@@ -391,6 +401,8 @@ class Executor:
         except BaseException as e:  # noqa: BLE001
             raise _as_task_error(e, task.id) from e
         finally:
+            if rc is not None:
+                rc.leave(task.id)
             if self.use_nvtx:
                 _nvtx.pop_range(domain=NVTX_DOMAIN)
         t1 = time.monotonic_ns()
@@ -399,6 +411,18 @@ class Executor:
             st.cuda_events[task.id] = (ev_start, ev_end)
         st.timings[task.id] = [lane, t0 / 1e3, t1 / 1e3]
         st.done[task.id].set()
+
+    def dependencies(self) -> dict[str, tuple[str, ...]]:
+        """Task id -> the same-stage tasks it waits to finish (plan deps, extra deps, serial and
+        shared-link tokens; not ``start_deps``, which order starts only). With lane order, this is
+        the happens-before order of the stage ([Note: race detector] in runtime/racecheck.py)."""
+        return dict(self._deps)
+
+    def lane_streams(self) -> dict[str, object]:
+        """Lane -> its CUDA stream (created now if need be); empty on CPU."""
+        if self._cuda is None:
+            return {}
+        return {lane: self._cuda.stream(lane) for lane in LANES}
 
     # -- steps -----------------------------------------------------------------------------------
     def run_step(self, step: int = 0) -> StepRecord:

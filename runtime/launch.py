@@ -231,7 +231,8 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
                 timeout_s: float | None = None, extra_args: list[str] | None = None, env: dict | None = None,
                 quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
                 link_rates: dict | None = None, save_every: int = 0, save_mode: str = "async",
-                resume: str | None = None, p2p: str = "buffered") -> int:
+                resume: str | None = None, p2p: str = "buffered", racecheck: bool = False,
+                drop_deps: list[str] | None = None) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
@@ -241,7 +242,9 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     ``rate_scale``) says otherwise; summary.json then has a ``testbed`` entry. ``save_every`` /
     ``save_mode`` / ``resume``: checkpoints ([Note: checkpoint contents] in runtime/checkpoint.py).
     ``p2p``: ``buffered`` or ``strict`` (gloo P2P behaves like NCCL, [Note: strict P2P] in
-    runtime/stage.py)."""
+    runtime/stage.py). ``racecheck``: run the race detector on every rank ([Note: race detector] in
+    runtime/racecheck.py); ``drop_deps``: ``CONSUMER=PRODUCER`` plan dependencies removed before
+    running (checked against the plan)."""
     out = Path(out_dir)
     if p2p not in ("buffered", "strict"):
         _err(f"--p2p: must be buffered or strict; got {p2p!r}")
@@ -249,7 +252,11 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     if p2p != "buffered":
         extra_args = [*(extra_args or []), "--p2p", p2p]
     try:
-        cfg, _ = check_run(config_path, overrides, nproc, strategy)
+        cfg, doc = check_run(config_path, overrides, nproc, strategy)
+        if racecheck or drop_deps:
+            from runtime.racecheck import launch_args as race_args
+
+            extra_args = [*(extra_args or []), *race_args(doc, racecheck, drop_deps)]
     except ValueError as e:
         _err(str(e))
         return 2

@@ -38,6 +38,8 @@ but ``moe``'s combine.bwd is what hands shared.dx its gradient. The shared-exper
 ``y = h + shared + routed`` with weight 1, so its gradient *is* the upstream gradient: the runtime
 keeps a reference to each upstream gradient when it is produced (head.dx, attn.dx, grad.recv) and
 shared.dx uses it directly, so it needs nothing from the ep lane. The value is identical.
+shared.dx writes its gradient of ``xn`` apart from dispatch.bwd's; router.bwd sums them
+([Note: partial input gradients] in moe/context.py).
 combine.fwd does need shared.fwd's output: :meth:`StageRunner.extra_deps` adds that edge (and the
 other data edges of ``moe.INTRA_LAYER_DEPS``) where the plan leaves them implicit.
 """
@@ -58,6 +60,7 @@ from torch import Tensor, nn
 from k3sched.config import Config
 from k3sched.graph import placement_for, split_layers
 from k3sched.tasks import LANES, Kind
+from moe import handoff
 from moe.split import GRAPH_USER
 from moe import INTRA_LAYER_DEPS, LayerCtx, MicroBatch, MoEModel, MoEModelArgs, init_full_state
 
@@ -172,19 +175,10 @@ def synthetic_batch(seed: int, step: int, replica: int, mb: int, batch: int, seq
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-class _SyncLayerCtx(LayerCtx):
-    """LayerCtx whose ``add_grad_xn`` is safe to call from two lanes at once (shared.dx on the
-    compute lane, dispatch.bwd on the ep lane may finish together)."""
-
-    def add_grad_xn(self, g: Tensor) -> None:  # noqa: D102
-        with self._grad_lock:
-            super().add_grad_xn(g)
-
-
-def _sync_ctx(layer: int, is_moe: bool) -> LayerCtx:
-    lc = _SyncLayerCtx(layer, is_moe)
-    lc._grad_lock = threading.Lock()
-    return lc
+UNSAFE_SHARED_DX_ENV = "K3SCHED_UNSAFE_SHARED_DX"
+"""Test-only: ``1`` makes shared.dx add into the layer's one ``xn`` gradient buffer, beside
+dispatch.bwd on the ep lane, as before [Note: partial input gradients] (the race detector's
+regression test)."""
 
 
 class PendingSends:
@@ -339,7 +333,7 @@ class StageRunner:
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
                  remote_group=None, offload_debug: bool | None = None, copy_delay_s: float | None = None,
-                 p2p: str = "buffered", p2p_timeout_s: float = 120.0) -> None:
+                 p2p: str = "buffered", p2p_timeout_s: float = 120.0, compute_stream=None) -> None:
         self.cfg, self.spec, self.groups = cfg, spec, groups
         self.args = model_args(cfg)
         self.device = device or torch.device("cpu")
@@ -348,7 +342,11 @@ class StageRunner:
         self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device)
         self.params = [p for p in self.model.parameters()]
         self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
-                                      copy_delay_s=copy_delay_s, remote_group=remote_group)
+                                      copy_delay_s=copy_delay_s, remote_group=remote_group,
+                                      compute_stream=compute_stream)
+        import os
+
+        self.unsafe_shared_dx = os.environ.get(UNSAFE_SHARED_DX_ENV, "") == "1"
         self.gshards: GradShards | None = None
         opt_params = self.params
         if cfg.schedule.grad_offload:
@@ -450,7 +448,7 @@ class StageRunner:
                                                   cfg.model.seq_len, cfg.model.vocab)
             mb = self.model.new_microbatch(tokens.to(self.device), targets.to(self.device), index=m,
                                            loss_scale=1.0 / (M * self.replicas))
-            mb.layers = [_sync_ctx(i, self.args.is_moe_layer(i)) for i in range(self.args.layers)]
+            mb.layers = [LayerCtx(i, self.args.is_moe_layer(i), label=f"mb{m}/L{i}") for i in range(self.args.layers)]
             self.mbs[m] = mb
 
     def end_step(self) -> float:
@@ -568,6 +566,12 @@ class StageRunner:
 
     lane_streams: list = []
 
+    def bind_streams(self, streams: Mapping[str, object]) -> None:
+        """The executor's lane streams (GPU; empty on CPU): fences of released buffers cover them
+        all, and the device pool allocates on the compute stream ([Note: pools and fences])."""
+        self.lane_streams = list(streams.values())
+        self.acts.bind_compute_stream(streams.get("compute"))
+
     def _static_tensors(self) -> list[Tensor]:
         out = list(self.params)
         out += [p.grad for p in self.params if p.grad is not None]
@@ -589,6 +593,8 @@ class StageRunner:
 
     def _model_task(self, t: PlanTask) -> None:
         mb = self.mbs[t.mb]
+        if t.kind is Kind.ROUTER_BWD:  # after shared.dx and dispatch.bwd: [Note: partial input gradients]
+            mb.layers[t.layer].fold_grad_xn_shared()
         if self.gshards is not None and t.kind in GRAD_WRITERS:
             with self.gshards.accumulating(t.mb, t.layer):
                 self.model.run(t.kind, mb, t.layer, self.groups.ep)
@@ -604,13 +610,23 @@ class StageRunner:
         below = idx - 1
         if below in self._shared_layers:
             self._up[(mb, idx)] = g
+            handoff.cell(self._up, (mb, idx), True, f"mb{mb}.grads[{idx}] (kept for shared.dx)")
 
     def _shared_dx(self, t: PlanTask) -> None:
         lc = self.mbs[t.mb].layers[t.layer]
         if lc.shared is None:
             return
-        grad_y = self._up.pop((t.mb, t.layer + 1))
-        lc.add_grad_xn(lc.shared.backward_dx({"out": grad_y.reshape(-1, grad_y.shape[-1])})["xn"])
+        key = (t.mb, t.layer + 1)
+        handoff.cell(self._up, key, False, f"mb{t.mb}.grads[{t.layer + 1}] (kept for shared.dx)", key in self._up)
+        grad_y = self._up.pop(key)
+        handoff.cell(self._up, key, True, f"mb{t.mb}.grads[{t.layer + 1}] (kept for shared.dx)")
+        handoff.handoff(grad_y)  # made on the compute or collective lane: [Note: cross-lane handoff]
+        handoff.read(grad_y, f"mb{t.mb}.grads[{t.layer + 1}]")
+        g = lc.shared.backward_dx({"out": grad_y.reshape(-1, grad_y.shape[-1])})["xn"]
+        if self.unsafe_shared_dx:
+            lc.add_grad_xn(g)
+        else:
+            lc.grad_xn_shared_TD = g
 
     def _boundaries(self, t: PlanTask) -> tuple[int, int]:
         """(input index, output index) in acts/grads of the task's chunk."""
@@ -682,6 +698,8 @@ class StageRunner:
         expert = [p for n, p in bucket if MoEModel.is_expert_param(n)]
         _allreduce_grads(dense, self.groups.dense)
         _allreduce_grads(expert, self.groups.expert)
+        for n, p in bucket:
+            handoff.write(p.grad, f"L{t.layer}.{n}.grad")
 
     def _offload(self, t: PlanTask) -> None:
         self.acts.offload_local(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
@@ -710,6 +728,7 @@ class StageRunner:
         for p in stepped:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            handoff.write(p.grad, "param grad (optim.run)")
         if self.capture_grads:
             self.captured, self.capture_grads = self.grads(), False
             if self.gshards is not None:  # the layers' gradients live in the host shards

@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dump-params", action="store_true", help="write params_rank{R}.pt (after the last step)")
     ap.add_argument("--offload-debug", action="store_true",
                     help="checksum every offloaded activation and verify it on onload (env K3SCHED_OFFLOAD_DEBUG=1)")
+    ap.add_argument("--racecheck", action="store_true",
+                    help="record which task touches each tensor; two tasks of a rank touching one, at least one "
+                         "writing, with no happens-before path fail the run ([Note: race detector])")
+    ap.add_argument("--drop-dep", dest="drop_deps", action="append", default=[], metavar="CONSUMER=PRODUCER",
+                    help="debug: remove this dependency of the plan before running (repeatable)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo even when CUDA is present")
     ap.add_argument("--p2p", choices=["buffered", "strict"], default="buffered",
@@ -87,11 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     stage = None
+    from runtime.racecheck import MAX_LINES, RaceFound
+
     try:
         return _train(args, rank, world, out)
     except UserError as e:
         _report(out, rank, stage, f"error: {e}", None)
         _hard_exit(2)
+    except RaceFound as e:  # [Note: race detector]: one line per race, exit 1
+        more = e.lines[1:MAX_LINES] + ([f"... and {len(e.lines) - MAX_LINES} more"] if len(e.lines) > MAX_LINES else [])
+        for line in more:
+            print(f"k3sched rank {rank}: {line}", file=sys.stderr, flush=True)
+        _report(out, rank, stage, f"rank {rank}: {e}", None)
+        _hard_exit(1)
     except BaseException as e:  # noqa: BLE001 - every failure becomes one line + exit 1
         cause = e
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -169,6 +182,78 @@ def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: i
     return cp, start, path
 
 
+def _race_setup(args: argparse.Namespace, lanes, extra, stage: int):
+    """``--drop-dep`` applied to this stage's lanes and runtime dependencies; returns (lanes,
+    extra, the same-stage dependencies before the drops: the race detector's blame order)."""
+    from runtime.racecheck import apply_drops, check_drops, parse_drop, same_stage_deps
+
+    planned = same_stage_deps(lanes, extra, stage)
+    try:
+        mine = [d for d in args.drop_deps if parse_drop(d)[0].startswith(f"s{stage}/")]
+        drops = check_drops(mine, planned)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not drops:
+        return lanes, extra, planned
+    lanes, extra = apply_drops(lanes, extra, drops)
+    return lanes, extra, planned
+
+
+def _run_step(ex, runner, rc, step: int, device):
+    """One step (``ex.run_step`` then ``runner.end_step``); returns (record, loss contribution).
+    With the race detector ``rc``: this rank's races raise :class:`runtime.racecheck.RaceFound`
+    (also when the step failed and its accesses explain why); a rank without races of its own
+    leaves with 1 when another rank found some."""
+    if rc is None:
+        record = ex.run_step(step)
+        return record, runner.end_step()
+    import torch
+    import torch.distributed as dist
+
+    from runtime.racecheck import RaceFound
+
+    rc.begin_step(step)
+    try:
+        record = ex.run_step(step)
+        contrib = runner.end_step()
+    except BaseException as e:
+        rep = rc.end_step(failed=True)
+        if rep.races:
+            raise RaceFound(rep.races) from e
+        raise
+    rep = rc.end_step()
+    n = torch.tensor([len(rep.races)], dtype=torch.float64)
+    if dist.is_initialized():
+        n = n.to(device)
+        dist.all_reduce(n)
+    if rep.races:
+        raise RaceFound(rep.races)
+    if float(n):
+        _hard_exit(1)  # another rank reports its races
+    return record, contrib
+
+
+def _race_totals(rc, rank: int, device) -> dict | None:
+    """Every rank: the detector's counts over ranks and steps (summary.json ``racecheck``); rank 0
+    prints the clean run's line."""
+    if rc is None:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    from runtime.racecheck import clean_line
+
+    tt = rc.totals
+    t = torch.tensor([tt.storages, tt.accesses, tt.cells, tt.cell_accesses], dtype=torch.float64)
+    if dist.is_initialized():
+        t = t.to(device)
+        dist.all_reduce(t)
+    storages, accesses, cells, cell_accesses = (int(x) for x in t.cpu().tolist())
+    if rank == 0:
+        print(clean_line(storages, accesses), flush=True)
+    return {"storages": storages, "accesses": accesses, "cells": cells, "cell_accesses": cell_accesses, "races": 0}
+
+
 def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -243,10 +328,17 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     verify_remote_orders(groups, lanes, stage)
+    lanes, extra, planned_deps = _race_setup(args, lanes, runner.extra_deps(lanes), stage)
     ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device, perturb=None,
-                  extra_deps=runner.extra_deps(lanes), dep_timeout_s=args.timeout, serial=doc["strategy"] == "serial",
+                  extra_deps=extra, dep_timeout_s=args.timeout, serial=doc["strategy"] == "serial",
                   shared_links=doc.get("shared_links", ()))
     ex.perturbed = perturbed
+    rc = None
+    if args.racecheck:  # [Note: race detector]
+        from runtime.racecheck import RaceChecker
+
+        rc = ex.racecheck = RaceChecker.for_executor(ex, planned_deps)
+        rc.install()
     M, R = p.microbatches, p.ep * p.dp
     tokens_per_step = M * R * cfg.model.micro_batch_size * cfg.model.seq_len
     predicted_us = float(doc["metrics"]["step_time_us"])
@@ -259,7 +351,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         console.print(f"k3sched run: {args.config} | {doc['strategy']} plan, {doc['pipeline']} | world {world} "
                       f"(pp {p.pp} x dp {p.dp} x ep {p.ep}) | {device.type} | predicted step "
                       f"{predicted_us / 1e3:.1f} ms")
-    runner.lane_streams = [ex._cuda.stream(lane) for lane in ex.lanes] if ex._cuda is not None else []
+    runner.bind_streams(ex.lane_streams())
     planned_peak = doc["metrics"]["peak_device_bytes"][stage]
     losses, times, record = [], [], None
     peaks: list[int] = []
@@ -271,8 +363,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                 dist.barrier()
             runner.capture_grads = args.dump_grads and step == first_step
             runner.begin_step(step)
-            record = ex.run_step(step)
-            contrib = runner.end_step()
+            record, contrib = _run_step(ex, runner, rc, step, device)
             if runner.captured is not None:
                 torch.save(runner.captured, out / f"grads_rank{rank}.pt")
                 runner.captured = None
@@ -321,6 +412,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         mems = [torch.zeros_like(mem).to(device) for _ in range(world)]
         dist.all_gather(mems, mem.to(device))
     mems = [[int(x) for x in m.cpu().tolist()] for m in mems]
+    race_doc = _race_totals(rc, rank, device)
     ckpt_s = torch.tensor([ckpt.summary()["blocking_s"]], dtype=torch.float64)
     if dist.is_initialized():
         ckpt_s = ckpt_s.to(device)
@@ -344,6 +436,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             "peak_peer_bytes_measured": [m[2] for m in mems],
             "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r).pp_idx for r in range(world)],
             "offloaded_sets": doc["metrics"].get("offloaded_sets"),
+            "racecheck": race_doc,
             "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
             "step_wall_s": walls, "checkpoint_s": float(ckpt_s), "checkpoint": ckpt.summary(),
             "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
