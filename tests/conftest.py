@@ -11,6 +11,24 @@ CONFIGS = ROOT / "configs"
 REAL_TRACES = ROOT.parent / "shared" / "traces" / "real"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _deterministic_on_cuda():
+    """Bitwise comparisons (k3 vs serial, resumed vs straight runs) need deterministic kernels on
+    CUDA: in-process via ``torch.use_deterministic_algorithms``, in launched ranks via
+    ``K3SCHED_DETERMINISTIC=1`` (runtime/train.py). Nothing changes on a CPU-only machine."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("K3SCHED_DETERMINISTIC", "1")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+
+
 @pytest.fixture
 def tiny_cfg():
     from k3sched.config import load_config
