@@ -350,7 +350,10 @@ def run(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE (repeatable)."),
     strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
     nsys: bool = typer.Option(False, help="Record NVTX ranges with Nsight Systems (DIR/profile.*) and validate."),
-    timeout: Optional[float] = typer.Option(None, help="Wall-clock limit of the whole run, seconds."),
+    timeout: Optional[float] = typer.Option(None, help="Wall-clock limit of the whole run, seconds (the ranks' "
+                                                       "waits: half of it, at most 120 s; env K3SCHED_TIMEOUT_S)."),
+    device: Optional[str] = typer.Option(None, help="cpu (gloo) or cuda (NCCL, one GPU per rank); default: cuda "
+                                                    "when every rank has its own GPU, else cpu."),
     emulate_links: bool = typer.Option(False, help="Run every rank in its own network namespace behind a NIC "
                                                    "shaped to hardware.internode_gbps (across emulated nodes "
                                                    "of gpus_per_node) and nvlink_gbps (within one); needs root."),
@@ -378,6 +381,8 @@ def run(
     _number("--timeout", timeout, gt=0, unit="seconds")
     if p2p not in ("buffered", "strict"):
         fail(f"--p2p: must be buffered or strict; got {p2p!r}")
+    if device is not None and device not in ("cpu", "cuda"):
+        fail(f"--device: must be cpu or cuda; got {device!r}")
     _check_out("--out", out, directory=True)
     if save_every < 0:
         fail(f"--save-every: must be 0 (never) or a number of steps >= 1; got {save_every}")
@@ -388,7 +393,7 @@ def run(
     raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
                                  emulate_links=emulate_links,
                                  save_every=save_every, save_mode=save_mode, resume=resume, p2p=p2p,
-                                 racecheck=racecheck, drop_deps=list(drop_dep or [])))
+                                 racecheck=racecheck, drop_deps=list(drop_dep or []), device=device))
 
 
 @command()

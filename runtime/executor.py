@@ -31,6 +31,17 @@ re-raises the first error, naming the task. A wait longer than ``dep_timeout_s``
 With a race detector (``racecheck``, [Note: race detector] in runtime/racecheck.py) every task is
 entered and left on it around its body, so the accesses it records are the task's; its
 happens-before order is this executor's: :meth:`Executor.dependencies` plus lane order.
+
+No wait is unbounded: lane start-up (a lane that fails before it is ready is reported, not waited
+for), dependency waits, a task that runs longer than ``dep_timeout_s`` (a handler stuck in a
+collective whose peer died: named by :meth:`Executor._stuck`) and, on GPU, the end of a step
+(lane-stream events polled up to ``dep_timeout_s`` instead of ``torch.cuda.synchronize``; after an
+abort nothing waits for the GPU: the caller aborts the communicators, runtime/train.py).
+
+[Note: NVTX fallback]
+Task ranges go through the ``nvtx`` package (domain ``k3sched``); without it, through
+``torch.cuda.nvtx`` when CUDA is present (no domain); on CPU without it they are no-ops and the
+first executor that wants ranges prints one notice line.
 """
 
 from __future__ import annotations
@@ -45,10 +56,55 @@ from dataclasses import dataclass, field
 
 from k3sched.tasks import LANES, Kind, parse_task_id
 
-try:  # nvtx is optional at import time; ranges are no-ops without it
-    import nvtx as _nvtx
-except ImportError:  # pragma: no cover
-    _nvtx = None
+
+class _TorchNvtx:
+    """``torch.cuda.nvtx`` behind the ``nvtx`` package's calls (it has no domains: the ranges land
+    in the default domain; traces/nsys.py reads ranges by name, so they are taken all the same)."""
+
+    def __init__(self, tn) -> None:
+        self._tn = tn
+
+    def push_range(self, message: str, domain: str | None = None) -> None:
+        self._tn.range_push(message)
+
+    def pop_range(self, domain: str | None = None) -> None:
+        self._tn.range_pop()
+
+    def mark(self, message: str, domain: str | None = None) -> None:
+        self._tn.mark(message)
+
+
+def load_nvtx():
+    """The NVTX API this process uses ([Note: NVTX fallback]): the ``nvtx`` package; without it
+    ``torch.cuda.nvtx`` where CUDA is present; else None (ranges are no-ops; one notice line on
+    stderr, once, the first time an executor wants ranges)."""
+    try:
+        import nvtx
+
+        return nvtx
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return _TorchNvtx(torch.cuda.nvtx)
+    except Exception:  # noqa: BLE001 - no torch, or a CUDA build that cannot load NVTX
+        pass
+    return None
+
+
+_nvtx = load_nvtx()
+_nvtx_notice = [False]
+
+
+def _nvtx_missing_notice() -> None:
+    if not _nvtx_notice[0]:
+        _nvtx_notice[0] = True
+        import sys
+
+        print("k3sched: NVTX ranges off (no nvtx package and no CUDA torch.cuda.nvtx); pip install nvtx to "
+              "record them", file=sys.stderr, flush=True)
 
 NVTX_DOMAIN = "k3sched"
 TRACE_FORMAT = "k3sched.trace/1"
@@ -236,6 +292,7 @@ class _StepState:
     timings: dict[str, list] = field(default_factory=dict)
     cuda_events: dict[str, tuple] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    running: dict[str, tuple[str, float]] = field(default_factory=dict)  # lane -> (task id, monotonic start)
 
 
 class _CudaLanes:
@@ -245,6 +302,8 @@ class _CudaLanes:
         import torch
 
         self.torch = torch
+        if getattr(device, "index", None) is None:  # "cuda" without an index: the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.streams: dict[str, object] = {}
 
@@ -286,6 +345,8 @@ class Executor:
         self.dep_timeout_s = dep_timeout_s
         self.abort_grace_s = 2.0
         self.use_nvtx = nvtx and _nvtx is not None
+        if nvtx and _nvtx is None:
+            _nvtx_missing_notice()
         self.tasks = {t.id: t for ts in self.lanes.values() for t in ts}
         prefix = f"s{stage}/"
         extra = extra_deps or {}
@@ -323,21 +384,37 @@ class Executor:
         if self._threads:
             return
         ready = threading.Barrier(len(LANES) + 1)
+        self._init_error: BaseException | None = None
         for lane in LANES:
             self._go[lane] = threading.Semaphore(0)
             th = threading.Thread(target=self._lane_main, args=(lane, ready), name=f"k3sched-{lane}", daemon=True)
             self._threads[lane] = th
             th.start()
-        ready.wait()
+        try:  # bounded: a lane that fails (or hangs) before the barrier must not hang the caller
+            ready.wait(timeout=self.dep_timeout_s)
+        except threading.BrokenBarrierError:
+            self._closed = True
+            err = self._init_error
+            why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}" if err \
+                else f"not ready within {self.dep_timeout_s:.0f} s"
+            raise RuntimeError(f"rank {self.rank}: a lane thread failed to start ({why})") from err
 
     def _lane_main(self, lane: str, ready: threading.Barrier) -> None:
         self._tid[lane] = threading.get_native_id()
-        if self._cuda is not None:
-            import torch
+        try:
+            if self._cuda is not None:
+                import torch
 
-            torch.cuda.set_device(self._cuda.device)
-            torch.cuda.set_stream(self._cuda.stream(lane))
-        ready.wait()
+                torch.cuda.set_device(self._cuda.device)
+                torch.cuda.set_stream(self._cuda.stream(lane))
+        except BaseException as e:  # noqa: BLE001 - reported by _start_threads
+            self._init_error = self._init_error or e
+            ready.abort()
+            return
+        try:
+            ready.wait(timeout=self.dep_timeout_s)
+        except threading.BrokenBarrierError:
+            return
         while True:
             self._go[lane].acquire()
             st = self._state
@@ -393,6 +470,7 @@ class Executor:
         if rc is not None:
             rc.enter(task.id)
         t0 = time.monotonic_ns()
+        st.running[lane] = (task.id, t0 / 1e9)
         st.started[task.id].set()
         try:
             yield
@@ -401,6 +479,7 @@ class Executor:
         except BaseException as e:  # noqa: BLE001
             raise _as_task_error(e, task.id) from e
         finally:
+            st.running.pop(lane, None)
             if rc is not None:
                 rc.leave(task.id)
             if self.use_nvtx:
@@ -437,7 +516,7 @@ class Executor:
         if cuda is not None:
             import torch
 
-            torch.cuda.synchronize(cuda.device)
+            self._gpu_drain(f"step {step} start")  # bounded, unlike torch.cuda.synchronize
             base = cuda.event()
             base.record(torch.cuda.current_stream(cuda.device))
             base_cpu_us = time.monotonic_ns() / 1e3
@@ -449,6 +528,8 @@ class Executor:
         while pending:
             if self._finished.acquire(timeout=0.05):
                 pending -= 1
+            elif not st.abort.is_set() and self._stuck(st):
+                continue  # _stuck set the error and the abort
             elif st.abort.is_set():
                 # a lane failed; the others stop at their next wait, but one may sit in a collective
                 # that will never finish (its peer failed too): give up on it after a grace period
@@ -456,10 +537,14 @@ class Executor:
                 if time.monotonic() > abort_deadline:
                     self._closed = True  # lane threads are daemons; this executor is done
                     break
-        if cuda is not None:
-            import torch
-
-            torch.cuda.synchronize(cuda.device)
+        if cuda is not None and not st.abort.is_set():
+            # never torch.cuda.synchronize here: after an abort a collective kernel may wait on a
+            # dead peer forever (the caller aborts the communicators instead, runtime/train.py);
+            # otherwise wait for the lanes' streams, bounded by dep_timeout_s
+            try:
+                self._gpu_drain(f"step {step}")
+            except TaskError as e:
+                st.error = e
         wall = time.perf_counter() - t0
         self._state = None
         if st.error is not None:
@@ -471,6 +556,40 @@ class Executor:
         timings = [TaskTiming(tid, v[0], v[1], v[2]) for tid, v in st.timings.items()]
         timings.sort(key=lambda t: (t.start_us, t.id))
         return StepRecord(step, timings, dict(self._tid), wall)
+
+    def _stuck(self, st: _StepState) -> bool:
+        """A task that has run well past ``dep_timeout_s`` (a handler stuck in a collective or a
+        transfer whose peer never comes) aborts the step, naming it; True when it did. The margin
+        lets a task waiting on it report first (that names the dependency too)."""
+        now = time.monotonic()
+        limit = self.dep_timeout_s * 1.25 + 1.0
+        for lane, (tid, started) in list(st.running.items()):
+            if now - started > limit:
+                with st.lock:
+                    if st.error is None:
+                        st.error = TaskError(tid, f"still running after {limit:.0f} s (lane {lane}; "
+                                                  "stuck in a collective or transfer whose peer never came?)")
+                st.abort.set()
+                return True
+        return False
+
+    def _gpu_drain(self, what: str) -> None:
+        """Wait until the work queued on every lane stream and the current stream has finished,
+        polling events (bounded by ``dep_timeout_s``; raises TaskError naming ``what``)."""
+        import torch
+
+        cuda = self._cuda
+        evs = []
+        for s in [torch.cuda.current_stream(cuda.device), *cuda.streams.values()]:
+            ev = torch.cuda.Event()
+            ev.record(s)
+            evs.append(ev)
+        deadline = time.monotonic() + self.dep_timeout_s
+        while not all(ev.query() for ev in evs):
+            if time.monotonic() > deadline:
+                raise TaskError(what, f"GPU work not finished after {self.dep_timeout_s:.0f} s (a collective "
+                                      "waiting on a dead peer?)")
+            time.sleep(0.0005)
 
     def close(self) -> None:
         """Stop the lane threads (idempotent)."""

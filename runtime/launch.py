@@ -5,7 +5,15 @@ the ranks under torchrun and makes sure none outlives it.
   runtime does not implement yet) print one line and return 2 before anything launches.
 - The ranks run ``python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1
   --master-port FREE -m runtime.train CONFIG --out DIR ...`` in a new process group (session);
-  gloo on CPU, NCCL with one GPU per rank when CUDA is present.
+  gloo on CPU, NCCL with one GPU per rank when CUDA is present. ``device`` (``k3sched run
+  --device``): ``cuda`` needs a GPU per rank (else one line and 2), ``cpu`` forces gloo, None picks
+  cuda when every rank has its own GPU, else cpu (:func:`resolve_device`). A GPU run's environment
+  (:func:`gpu_env`) turns on NCCL's flight recorder and error handling and pins
+  CUDA_DEVICE_MAX_CONNECTIONS ([Note: GPU run environment]).
+- Every wait of a rank (start-up, dependencies, collectives, a task stuck in one, the end of a
+  step, the abort) is bounded by the ranks' ``--timeout`` (env K3SCHED_TIMEOUT_S, default 120 s;
+  with a whole-run ``timeout_s`` and no K3SCHED_TIMEOUT_S: half of it, at most 120 s), so a rank
+  names its own stuck task before the launcher's limit runs out.
 - When a rank fails, torchrun stops the others; ``run_command`` then prints the failing rank's
   one-line error (``error_rank{R}.txt``, the earliest) and returns 1 (2 when that error is a user
   error: bad checkpoint or token file found by a rank). A rank that died without a word (SIGKILL,
@@ -50,6 +58,55 @@ def free_port() -> int:
 
 def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_device(device: str | None, world: int) -> str:
+    """``cpu`` or ``cuda`` for a run of ``world`` local ranks; raises ValueError (one line) when
+    ``cuda`` is asked for and there are fewer GPUs than ranks. None: cuda when every rank has its
+    own GPU, else cpu."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device: must be cpu or cuda; got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:  # pragma: no cover
+        gpus = 0
+    if device is None:
+        return "cuda" if gpus >= world else "cpu"
+    if gpus < world:
+        raise ValueError(f"--device cuda: the config needs {world} ranks, one GPU each, but this machine has "
+                         f"{gpus} GPU(s) visible to torch; use --device cpu or a smaller pp*ep*dp")
+    return "cuda"
+
+
+# [Note: GPU run environment]
+# A GPU run's ranks get (unless the caller's environment sets them already):
+# - TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1: NCCL's flight recorder keeps
+#   the last collectives of each communicator and dumps them on a timeout, to
+#   OUT/nccl_trace_rank_R (TORCH_NCCL_DEBUG_INFO_TEMP_FILE), to see which collective hung where.
+# - TORCH_NCCL_ASYNC_ERROR_HANDLING=1: the watchdog aborts a communicator whose operation timed out
+#   (the group's timeout is the ranks' --timeout) and tears the rank down, so a collective waiting
+#   on a dead peer ends. TORCH_NCCL_BLOCKING_WAIT stays off: it would make every lane's host
+#   thread wait for its collective's completion, serialising the issue of the lanes' GPU work;
+#   the executor polls events with a deadline instead (runtime/executor.py).
+# - CUDA_DEVICE_MAX_CONNECTIONS=16. Megatron pins 1 so kernels reach the GPU in issue order (its
+#   compute and communication overlap relies on that order on few streams). The five lanes are
+#   five streams, plus the current stream and NCCL's internal stream per communicator (EP, PP
+#   send/recv per direction, DP, remote offload), that must run concurrently and are ordered by
+#   CUDA events only: with one hardware queue, a lane's event wait or a collective waiting for
+#   its peer would block every later kernel of every other lane behind it (false dependencies,
+#   no overlap). 16 gives each of those streams its own queue (the CUDA default is 8, max 32).
+NCCL_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "16"}
+WAIT_TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
+
+
+def gpu_env(out: Path) -> dict:
+    """The environment a GPU run's ranks get on top of the caller's ([Note: GPU run environment])."""
+    return {**NCCL_ENV, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out).resolve() / "nccl_trace_rank_")}
 
 
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
@@ -232,7 +289,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
                 quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
                 link_rates: dict | None = None, save_every: int = 0, save_mode: str = "async",
                 resume: str | None = None, p2p: str = "buffered", racecheck: bool = False,
-                drop_deps: list[str] | None = None) -> int:
+                drop_deps: list[str] | None = None, device: str | None = None) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
@@ -244,7 +301,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     ``p2p``: ``buffered`` or ``strict`` (gloo P2P behaves like NCCL, [Note: strict P2P] in
     runtime/stage.py). ``racecheck``: run the race detector on every rank ([Note: race detector] in
     runtime/racecheck.py); ``drop_deps``: ``CONSUMER=PRODUCER`` plan dependencies removed before
-    running (checked against the plan)."""
+    running (checked against the plan). ``device``: cpu, cuda or None (:func:`resolve_device`)."""
     out = Path(out_dir)
     if p2p not in ("buffered", "strict"):
         _err(f"--p2p: must be buffered or strict; got {p2p!r}")
@@ -272,6 +329,15 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         return 2
     extra_args, overrides, env = [*(extra_args or []), *more], [*(overrides or []), *sets], {**(env or {}), **more_env}
     world = cfg.parallel.world
+    try:
+        dev = resolve_device(device, world)
+    except ValueError as e:
+        _err(str(e))
+        return 2
+    extra_args = [*extra_args, "--device", dev]
+    env = _wait_env(env, timeout_s)
+    if dev == "cuda":
+        env = {**{k: v for k, v in gpu_env(out).items() if k not in os.environ}, **env}
     if emulate_links:
         return _run_on_testbed(cfg, config_path, overrides, steps, out, nsys, strategy, timeout_s=timeout_s,
                                extra_args=extra_args, env=env, quiet=quiet, link_rates=link_rates)
@@ -284,6 +350,14 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     if nsys:
         return _run_under_nsys(cmd, out, run_env, world, timeout_s, quiet, nsys_retries)
     return _launch(cmd, out, run_env, world, timeout_s, quiet)
+
+
+def _wait_env(env: dict, timeout_s: float | None) -> dict:
+    """The ranks' wait limit (K3SCHED_TIMEOUT_S): the caller's, else half the whole-run limit (at
+    most 120 s, at least 5 s), so a stuck rank reports itself before the launcher gives up."""
+    if timeout_s and WAIT_TIMEOUT_ENV not in env and WAIT_TIMEOUT_ENV not in os.environ:
+        env = {**env, WAIT_TIMEOUT_ENV: f"{max(5.0, min(120.0, timeout_s / 2)):g}"}
+    return env
 
 
 def _run_env(env: dict | None) -> dict:

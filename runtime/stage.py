@@ -329,6 +329,10 @@ class StageRunner:
     """With ``fail_task``: fail only in this global step (None: the first)."""
     fail_kill = False
     """With ``fail_task``: SIGKILL this process instead of raising (a rank that dies without a word)."""
+    fail_hang = False
+    """With ``fail_task``: hang in the task instead of raising: a receive on the world group that no
+    rank sends (a rank stuck in a collective whose peer never comes; the executor names it after
+    ``--timeout``)."""
 
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
@@ -506,9 +510,19 @@ class StageRunner:
                     import signal
 
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.fail_hang:
+                    self._hang()
                 raise RuntimeError(f"injected failure (K3SCHED_FAIL_RANK={self.groups.layout.rank})")
             h(task)
         return run
+
+    def _hang(self) -> None:
+        lo = self.groups.layout
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            peer = (lo.rank + 1) % dist.get_world_size()
+            dist.recv(torch.zeros(1, device=self.device), src=peer, tag=0x4B3)  # never sent
+        while True:  # one rank: nothing to wait on; block like one
+            time.sleep(1.0)
 
     def _tracked(self, h: Handler) -> Handler:
         """Run ``h`` with the activation bookkeeping around it (see the module docstring)."""
@@ -766,10 +780,11 @@ __all__ = ["LANES", "StageRunner", "StageSpec", "build_stage_model", "model_args
 REMOTE_KINDS = (Kind.ACT_ROFFLOAD, Kind.ACT_RSTORE, Kind.ACT_RSERVE, Kind.ACT_RONLOAD)
 
 
-def build_remote_group(groups: Groups, plan: Mapping):
+def build_remote_group(groups: Groups, plan: Mapping, timeout=None):
     """The offload_remote lane's own communicator: the ranks of this rank's (dp, ep) column across
     PP stages (the pp group's members, a separate process group), created on every rank when the
-    plan has remote offload tasks (every rank plans the same, so all create it or none does)."""
+    plan has remote offload tasks (every rank plans the same, so all create it or none does).
+    ``timeout`` (a timedelta: the run's ``--timeout``) bounds its operations like every other group's."""
     kinds = {t["kind"] for st in plan["stages"] for t in st["lanes"].get("offload_remote", [])}
     lo = groups.layout
     if not kinds or lo.pp < 2:
@@ -777,7 +792,7 @@ def build_remote_group(groups: Groups, plan: Mapping):
     mine = None
     for d in range(lo.dp):
         for e in range(lo.ep):
-            pg = dist.new_group([lo.rank_of(s, d, e) for s in range(lo.pp)])
+            pg = dist.new_group([lo.rank_of(s, d, e) for s in range(lo.pp)], timeout=timeout)
             if (d, e) == (lo.dp_idx, lo.ep_idx):
                 mine = pg
     return mine

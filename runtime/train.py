@@ -12,7 +12,10 @@ Failure: a rank that raises writes ``error_rank{R}.txt`` (one line, read by
 and exits 1 at once; the launcher then stops the other ranks. Collectives time out after
 ``--timeout`` seconds (env K3SCHED_TIMEOUT_S, default 120). ``K3SCHED_FAIL_RANK=R`` makes rank R
 fail in its first task (``K3SCHED_FAIL_TASK`` = a task id or kind picks another task;
-``K3SCHED_FAIL_STEP`` = a global step index; ``K3SCHED_FAIL_SIGNAL=KILL``: SIGKILL itself), for tests.
+``K3SCHED_FAIL_STEP`` = a global step index; ``K3SCHED_FAIL_SIGNAL=KILL``: SIGKILL itself; ``=HANG``: hang
+in a receive nobody sends), for tests. ``K3SCHED_DETERMINISTIC=1``: ``torch.use_deterministic_algorithms``
+(tests/conftest.py sets it on CUDA machines, for the bitwise comparisons). On GPU a failing rank aborts its NCCL communicators (bounded)
+before it exits, never waiting on a collective whose peer may be dead.
 Checkpoints and data: ``--save-every N`` / ``--save-mode`` / ``--resume DIR|latest``
 (:mod:`runtime.checkpoint`), ``data.path`` (:mod:`runtime.data`).
 Exit codes: 0 done, 1 a rank failed, 2 user error (bad config, world size mismatch).
@@ -34,6 +37,7 @@ FAIL_TASK_ENV = "K3SCHED_FAIL_TASK"
 TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
 FAIL_STEP_ENV = "K3SCHED_FAIL_STEP"
 FAIL_SIGNAL_ENV = "K3SCHED_FAIL_SIGNAL"
+DETERMINISTIC_ENV = "K3SCHED_DETERMINISTIC"
 
 
 class UserError(Exception):
@@ -69,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="debug: remove this dependency of the plan before running (repeatable)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--cpu", action="store_true", help="run on CPU with gloo even when CUDA is present")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="cuda: NCCL, one GPU per rank (LOCAL_RANK); cpu: gloo; auto: cuda when present")
     ap.add_argument("--p2p", choices=["buffered", "strict"], default="buffered",
                     help="strict: gloo P2P behaves like NCCL (a send completes once the receive is posted, one "
                          "stream per communicator; [Note: strict P2P] in runtime/stage.py); NCCL always is")
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         where = f"rank {rank}"
         _report(out, rank, stage, f"{where}: {msg if 'task ' in msg[:5] else type(e).__name__ + ': ' + msg}", cause)
+        _abort_comms(args.timeout)
         _hard_exit(1)
     return 1  # pragma: no cover
 
@@ -133,6 +140,36 @@ def _report(out: Path, rank: int, stage, line: str, exc: BaseException | None) -
     except OSError:
         pass
     print(f"k3sched {line}", file=sys.stderr, flush=True)
+
+
+def _abort_comms(timeout_s: float) -> None:
+    """After a failure on GPU: abort the NCCL communicators instead of waiting for their work (a
+    collective may wait on a dead peer forever; ``torch.cuda.synchronize`` would too). Runs in a
+    daemon thread joined for at most ``min(timeout_s, 10)`` s; a no-op on gloo / without a group."""
+    import threading
+
+    def abort() -> None:
+        try:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_backend() != "nccl":
+                return
+            c10d = dist.distributed_c10d
+            if hasattr(c10d, "_abort_process_group"):
+                c10d._abort_process_group()  # every group's communicators, in one NCCL group call
+            else:  # older torch
+                import torch
+
+                backend = c10d._get_default_group()._get_backend(torch.device("cuda"))
+                if hasattr(backend, "abort"):
+                    backend.abort()
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort: the process exits next anyway
+            pass
+
+    th = threading.Thread(target=abort, name="k3sched-abort", daemon=True)
+    th.start()
+    th.join(timeout=min(max(timeout_s, 1.0), 10.0))
 
 
 def _hard_exit(code: int) -> None:
@@ -278,8 +315,13 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                         f"started WORLD_SIZE={world}")
     seed = cfg.schedule.seed if args.seed is None else args.seed
     torch.manual_seed(seed)
+    if os.environ.get(DETERMINISTIC_ENV) == "1":  # bitwise comparisons in tests (on CUDA)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    use_cuda = torch.cuda.is_available() and not args.cpu
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU)")
+    use_cuda = torch.cuda.is_available() and not args.cpu and args.device != "cpu"
     local_rank = _env_int("LOCAL_RANK", 0)
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -311,7 +353,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     fail_task = None
     if os.environ.get(FAIL_RANK_ENV, "") == str(rank):
         fail_task = os.environ.get(FAIL_TASK_ENV) or "*"
-    remote_group = build_remote_group(groups, doc)
+    remote_group = build_remote_group(groups, doc, timeout=timeout)
     strict = args.p2p == "strict" and not use_cuda  # NCCL is strict by itself
     build_p2p_groups(groups, p2p_edges(spec.vstage_rank), ready=strict, timeout=timeout)
     warm_up_p2p(groups, args.timeout, device)  # [Note: NCCL-safe P2P]
@@ -323,6 +365,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     if fail_task is not None:
         runner.fail_step = int(os.environ[FAIL_STEP_ENV]) if os.environ.get(FAIL_STEP_ENV) else None
         runner.fail_kill = os.environ.get(FAIL_SIGNAL_ENV, "").upper() in ("KILL", "SIGKILL", "9")
+        runner.fail_hang = os.environ.get(FAIL_SIGNAL_ENV, "").upper() == "HANG"
     ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, seed)
     perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
     perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
