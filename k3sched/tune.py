@@ -16,7 +16,10 @@ coarse to fine:
    value of a knob planned at once, the best kept), knob after knob, pass after pass, until a pass
    improves nothing or time runs out.
 
-Plans run in worker processes; a config already planned (same config after normalisation, e.g.
+Plans run in worker processes, one forked process per plan, at most ``--jobs`` at once; a plan
+that runs past four times the median planning time so far (at least 15 s) is abandoned, so one
+slow corner of the space (remote offload rebuilds the graph on every attempt) cannot eat the time
+limit. A config already planned (same config after normalisation, e.g.
 ``warmup_extra`` outside interleaved 1F1B) is answered from the cache. Every plan is made under the
 budget (``schedule.device_memory_budget``), so a plan that cannot fit it is infeasible and left out
 of the front; the Pareto front is taken over (step time, peak device memory) of the feasible
@@ -212,7 +215,12 @@ class Tuner:
         return int(self.budget_gib * GiB)
 
     def remaining(self) -> float:
-        return self.time_limit_s - (time.perf_counter() - self.t0) - self.reserve_s
+        """Seconds the search may still use: the limit less what has passed and the time to re-plan
+        and write the best at the end (1.5 x its planning time + 2 s, at most 30% of the limit)."""
+        b = self.best()
+        reserve = self.reserve_s if b is None else min(0.3 * self.time_limit_s,
+                                                       max(self.reserve_s, 1.5 * b.plan_s + 2.0))
+        return self.time_limit_s - (time.perf_counter() - self.t0) - reserve
 
     def best(self) -> Result | None:
         ok = [r for r in self.results if r.ok and r.peak_device <= self.budget_bytes]
@@ -244,47 +252,118 @@ class Tuner:
                 continue
             seen.add(key)
             todo.append((key, Result(ov, phase=phase), c.to_dict()))
-        pending = []
-        for key, r, data in todo:
-            if pool is None:
+        if pool is None:  # in this process, one after the other (tests)
+            for key, r, data in todo:
                 if self.remaining() <= 0:
                     self.timed_out = True
                     break
-                pending.append((key, r, _Done(plan_metrics(data))))
-            else:
-                pending.append((key, r, pool.apply_async(plan_metrics, (data,))))
-        while pending:
+                self._record(key, r, plan_metrics(data), out)
+            return out
+        for key, r, data in todo:
+            pool.submit((key, r), data)
+        while not pool.idle():
             if self.remaining() <= 0:
                 self.timed_out = True
+                pool.close()
                 break
-            ready = [x for x in pending if x[2].ready()]
-            if not ready:
+            done = pool.poll(self.plan_limit())
+            if not done:
                 time.sleep(0.05)
-                continue
-            for item in ready:
-                pending.remove(item)
-                key, r, fut = item
-                for k, v in fut.get().items():
-                    setattr(r, k, v)
-                if r.ok:  # keep time to re-plan the best and write it: twice a plan as slow as this one
-                    self.reserve_s = min(0.4 * self.time_limit_s, max(self.reserve_s, 2.0 * r.plan_s + 1.0))
-                self.cache[key] = r
-                self.results.append(r)
-                out.append(r)
-                if self.on_result:
-                    self.on_result(self, r)
+            for (key, r), res in done:
+                self._record(key, r, res, out)
         return out
 
+    def _record(self, key: bytes, r: Result, res: dict, out: list[Result]) -> None:
+        for k, v in res.items():
+            setattr(r, k, v)
+        self.cache[key] = r
+        self.results.append(r)
+        out.append(r)
+        if self.on_result:
+            self.on_result(self, r)
 
-class _Done:
-    def __init__(self, value):
-        self.value = value
+    def plan_limit(self) -> float:
+        """How long one plan may run before it is abandoned: four times the median of the plans so
+        far, at least 15 s (none before three plans came back)."""
+        done = sorted(r.plan_s for r in self.results if not (r.error or "").startswith("abandoned"))
+        if len(done) < 3:
+            return math.inf
+        return max(15.0, 4 * done[len(done) // 2])
 
-    def ready(self) -> bool:
-        return True
 
-    def get(self):
-        return self.value
+class Workers:
+    """At most ``jobs`` planning processes at a time, one per plan (forked: the imports are
+    shared), each killed when it runs past the limit :meth:`poll` is given, or when the search
+    ends ([Note: tune search])."""
+
+    def __init__(self, jobs: int):
+        import multiprocessing as mp
+        from collections import deque
+
+        self.ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+        self.jobs = jobs
+        self.queue: Any = deque()
+        self.running: list[list[Any]] = []
+
+    def submit(self, item: Any, data: dict) -> None:
+        self.queue.append((item, data))
+
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+    def _start(self) -> None:
+        while self.queue and len(self.running) < self.jobs:
+            item, data = self.queue.popleft()
+            recv, send = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(target=_child, args=(data, send), daemon=True)
+            proc.start()
+            send.close()
+            self.running.append([proc, recv, time.perf_counter(), item])
+
+    def poll(self, limit_s: float) -> list[tuple[Any, dict]]:
+        """Start what fits, collect what finished: (item, figures) pairs."""
+        self._start()
+        done = []
+        for entry in list(self.running):
+            proc, recv, t0, item = entry
+            took = time.perf_counter() - t0
+            if recv.poll():
+                try:
+                    res = recv.recv()
+                except (EOFError, OSError):
+                    res = {"error": "the planning process died", "plan_s": took}
+            elif not proc.is_alive():
+                res = {"error": f"the planning process died (exit code {proc.exitcode})", "plan_s": took}
+            elif took > limit_s:
+                proc.kill()
+                res = {"error": f"abandoned after {took:.0f} s (plans so far took a fraction of that)",
+                       "plan_s": took}
+            else:
+                continue
+            proc.join(5)
+            recv.close()
+            self.running.remove(entry)
+            done.append((item, res))
+        self._start()
+        return done
+
+    def close(self) -> None:
+        """Kill what runs, forget what waits."""
+        self.queue.clear()
+        for proc, recv, _, _ in self.running:
+            proc.kill()
+            proc.join(5)
+            recv.close()
+        self.running.clear()
+
+
+def _child(data: dict, conn) -> None:
+    try:
+        res = plan_metrics(data)
+    except BaseException as e:  # noqa: BLE001 - a bug in planning: reported as this plan's error
+        res = {"error": f"{type(e).__name__}: {e}", "plan_s": 0.0}
+    conn.send(res)
+    conn.close()
 
 
 def _differs(cfg: Config, key: str, value: Any) -> bool:
@@ -361,6 +440,11 @@ def pareto(results: list[Result], budget: int | None = None) -> list[Result]:
     return front
 
 
+def _num(x: float) -> str:
+    """An axis label: whole numbers from 100 up, three significant digits below."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def _gib(b: float) -> str:
     g = b / GiB
     return f"{g:.2f}" if g >= 1 else f"{g:.4f}"
@@ -410,9 +494,9 @@ def pareto_png(results: list[Result], front: list[Result], best: Result | None, 
         for i in range(6):
             gx, gy = x0 + (x1 - x0) * i / 5, y0 + (y1 - y0) * i / 5
             a, _ = px(gx, y0)
-            d.text((a - 10, h - bottom + 4), f"{gx:.3g}", fill="black", font=font)
+            d.text((a - 10, h - bottom + 4), _num(gx), fill="black", font=font)
             _, b = px(x0, gy)
-            d.text((4, b - 6), f"{gy:.4g}", fill="black", font=font)
+            d.text((4, b - 6), _num(gy), fill="black", font=font)
         d.text((w // 2 - 60, h - 20), "peak device GiB", fill="black", font=font)
         d.text((4, top - 16), "step ms", fill="black", font=font)
         bx, _ = px(budget / GiB, y0)
@@ -443,8 +527,6 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
     """``k3sched tune``: search, print the Pareto front and the speed-up over the Megatron default,
     write OUT/best/plan.json, OUT/best/overrides.txt, OUT/pareto.png and OUT/tune.json. Exit 0
     when a plan fits the budget, 1 when none does (2: bad config, raised as ConfigError)."""
-    import multiprocessing as mp
-
     from .config import load_config
 
     t_start = time.perf_counter()
@@ -469,8 +551,7 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
                             f"{b.step_us / 1e3:.1f} ms" if b else f"{len(t.results)} planned, none fits yet")
 
         tuner.on_result = on_result
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    pool = ctx.Pool(jobs) if jobs > 1 else None
+    pool = Workers(jobs)
     megatron = None
     try:
         if bar is not None:
@@ -482,9 +563,7 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
             tuner.results.remove(megatron) if megatron in tuner.results else None
         search(tuner, pool)
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        pool.close()
         if bar is not None:
             bar.stop()
     best = tuner.best()

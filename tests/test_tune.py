@@ -86,3 +86,24 @@ def test_cli_tune_help_and_bad_option() -> None:
     r = subprocess.run([sys.executable, "-m", "k3sched.cli", "tune", str(TINY), "--time-limit", "0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--time-limit" in r.stderr
+
+
+def test_workers_plan_in_processes_and_abandon_slow_plans() -> None:
+    from k3sched.tune import Workers
+
+    data = load_config(TINY).to_dict()
+    w = Workers(2)
+    w.submit("a", data)
+    w.submit("b", data)
+    done = []
+    t0 = time.perf_counter()
+    while not w.idle() and time.perf_counter() - t0 < 120:
+        done += w.poll(float("inf"))
+        time.sleep(0.02)
+    assert sorted(k for k, _ in done) == ["a", "b"] and all(r["step_us"] > 0 for _, r in done)
+    w.submit("slow", data)
+    res = []
+    while not w.idle():
+        res += w.poll(0.0)
+    assert res[0][1]["error"].startswith("abandoned")
+    w.close()
