@@ -78,9 +78,25 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
 
-def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, delay_ms: float, seed: int) -> Result:
+def break_waits(lanes: dict, extra: dict, lane: str) -> tuple[dict, dict]:
+    """Self-test of the check: drop every dependency of another lane's task on a task of ``lane``
+    (plan deps and the runtime's extra deps), as a missing stream wait would."""
+    from dataclasses import replace
+
+    of_lane = {t.id for t in lanes.get(lane, [])}
+    lanes = {ln: [t if ln == lane else replace(t, deps=tuple(d for d in t.deps if d not in of_lane),
+                                                start_deps=tuple(d for d in t.start_deps if d not in of_lane))
+                  for t in ts] for ln, ts in lanes.items()}
+    lane_of = {t.id: ln for ln, ts in lanes.items() for t in ts}
+    extra = {tid: tuple(d for d in ds if lane_of.get(tid) == lane or d not in of_lane) for tid, ds in extra.items()}
+    return lanes, extra
+
+
+def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, delay_ms: float, seed: int,
+             broken: str | None = None) -> Result:
     """Train ``steps`` steps of a one-rank plan in this process on ``device``; with ``delay_lane``
-    sleep a random 0..delay_ms before every task of that lane (on its issuing thread)."""
+    sleep a random 0..delay_ms before every task of that lane (on its issuing thread); with
+    ``broken`` the other lanes do not wait for that lane (:func:`break_waits`)."""
     import torch
 
     from k3sched.planner import plan
@@ -97,6 +113,9 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
     rng = random.Random(seed)
     count = [0]
     handlers = runner.handlers()
+    extra = runner.extra_deps(lanes)
+    if broken is not None:
+        lanes, extra = break_waits(lanes, extra, broken)
     if delay_lane is not None:
         def delayed(h):
             def run(task):
@@ -109,7 +128,7 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
         handlers = {k: delayed(h) for k, h in handlers.items()}
     losses, grads, trace = [], None, None
     t0 = time.perf_counter()
-    with Executor(lanes, handlers, perturb=None, extra_deps=runner.extra_deps(lanes), dep_timeout_s=120.0,
+    with Executor(lanes, handlers, perturb=None, extra_deps=extra, dep_timeout_s=120.0,
                   serial=doc["strategy"] == "serial", shared_links=doc.get("shared_links", ()), device=device,
                   nvtx=False) as ex:
         cuda = getattr(ex, "_cuda", None)
@@ -182,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--delay-ms", type=float, default=None, help="largest injected delay (default: 3 on cuda, 2 on cpu)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the injected delays")
+    ap.add_argument("--break-waits", choices=DELAY_LANES, default=None, metavar="LANE",
+                    help="self-test: the other lanes do not wait for LANE's tasks in the delayed runs of LANE; "
+                         "the check must then FAIL (exit 1)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.list:
@@ -208,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     delay_ms = args.delay_ms if args.delay_ms is not None else (3.0 if dev == "cuda" else 2.0)
     print(f"gpu_smoke: device {device} | torch {torch.__version__} | cases {', '.join(names)} | "
-          f"{args.steps} steps | delays up to {delay_ms:g} ms{' | quick' if args.quick else ''}", flush=True)
+          f"{args.steps} steps | delays up to {delay_ms:g} ms{' | quick' if args.quick else ''}"
+          f"{f' | self-test: waits on {args.break_waits} broken' if args.break_waits else ''}", flush=True)
     rows, failed, t_all = [], 0, time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="k3sched-gpu-smoke-") as tmpd:
         tmp = Path(tmpd)
@@ -240,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             for strategy, lane in runs:
                 label = f"{strategy}" + (f"+delay:{lane}" if lane else "")
                 try:
-                    got = run_once(cfg, args.steps, device, strategy, lane, delay_ms, args.seed + ci)
+                    got = run_once(cfg, args.steps, device, strategy, lane, delay_ms, args.seed + ci,
+                                   broken=lane if lane is not None and lane == args.break_waits else None)
                     ok, detail = compare(ref, got, case.rel, need_exact)
                     vok, vline = validate_trace(got, tmp, f"{name}-{label.replace(':', '_').replace('+', '_')}")
                     if lane is not None and got.delayed_tasks == 0:

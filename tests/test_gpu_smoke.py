@@ -50,3 +50,12 @@ def test_gpu_smoke_on_cuda(tmp_path):
     p, doc = _smoke(tmp_path, "--device", "cuda", timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert doc["passed"]
+
+
+def test_gpu_smoke_catches_a_missing_wait(tmp_path):
+    """Self-test: when compute stops waiting for the offload_local lane's onloads, the run with
+    that lane delayed fails (the undelayed runs may pass)."""
+    p, doc = _smoke(tmp_path, "--device", "cpu", "--cases", "offload", "--break-waits", "offload_local")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    bad = [r for r in doc["runs"] if not r["passed"]]
+    assert [r["run"] for r in bad] == ["k3+delay:offload_local"], doc["runs"]
