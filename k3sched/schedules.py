@@ -30,7 +30,7 @@ per cell and infers the stage -> rank mapping from which row a stage appears in.
 DualPipe (bidirectional) holds two copies of the model's ``pp`` stages, placed so that rank r
 holds model stage r of the "down" copy and model stage pp-1-r of the "up" copy. We express the
 copies as ``2*pp`` virtual stages with the V placement: vstage v < pp is the down copy of model
-stage v (on rank v), vstage pp + k the up copy of model stage pp-1-k (on rank pp-1-k), so rank r
+stage v (on rank v), vstage pp + k the up copy of model stage k (on rank pp-1-k), so rank r
 holds vstages r and 2*pp-1-r like DualPipeV. Micro-batches ``0 .. M/2-1`` go down (vstages
 ``0..pp-1``) and ``M/2 .. M-1`` go up (vstages ``pp..2pp-1``): each micro-batch visits only the
 ``pp`` vstages of its route (``Schedule.route(mb)``). Parameters (and their gradients) are 2x;
@@ -837,6 +837,40 @@ def _dualpipev(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("dualpipev", pp, 2, M, place, ranks)
 
 
+def _dualpipe(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    """DeepSeek DualPipe (bidirectional): pp ranks (even), M micro-batches, M/2 fed from each end
+    (see [Note: dualpipe mapping]). Rank R with half-rank h = min(R, pp-1-R) runs DualPipeV's
+    rank-h order for pp/2 ranks and M/2 micro-batches: DualPipeV's chunk 0 is R's stage in the
+    direction where R comes early (down for R < pp/2, up otherwise) and chunk 1 its stage in the
+    other direction. Each micro-batch then meets the same neighbours in the same order as in
+    DualPipeV, so the bubble is DualPipe's (PP/2-1)(F&B+B-3W) with PP = pp."""
+    _need(vpp == 2, f"dualpipe holds two stages per rank (two copies); needs vpp 2, got {vpp}")
+    _need(pp % 2 == 0, f"dualpipe needs an even pp; got {pp}")
+    _need(M % 2 == 0 and M >= 2 * pp, f"dualpipe needs an even number of microbatches >= 2*pp = {2 * pp}; got {M}")
+    half, hm = pp // 2, M // 2
+    base = _dualpipev(half, 2, hm, 0)
+    place = Placement("v", pp, 2)
+    ranks: dict[int, list[Slot]] = {}
+    for R in range(pp):
+        h = min(R, pp - 1 - R)
+        s0, _ = base.placement.stages_of(h)
+        down, up = R, 2 * pp - 1 - R  # this rank's vstages: down copy, up copy
+        early, late = ((down, 0), (up, hm)) if R < half else ((up, hm), (down, 0))
+
+        def remap(a: Action) -> Action:
+            v, off = early if a.vstage == s0 else late
+            return Action(v, a.op, a.mb + off)
+
+        out: list[Slot] = []
+        for slot in base.ranks[h]:
+            if isinstance(slot, Pair):
+                out.append(Pair(remap(slot.fwd), remap(slot.bwd)))
+            elif slot is not None:
+                out.append(remap(slot))
+        ranks[R] = out
+    return Schedule("dualpipe", pp, 2, M, place, ranks, bidirectional=True)
+
+
 GENERATORS = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
@@ -845,6 +879,7 @@ GENERATORS = {
     "zb-h2": _zb_h2,
     "zb-v": _zb_v,
     "dualpipev": _dualpipev,
+    "dualpipe": _dualpipe,
 }
 
 
@@ -855,10 +890,6 @@ def generate(name: str, pp: int, vpp: int, microbatches: int, *, warmup_extra: i
     ``warmup_extra`` only applies to ``interleaved-1f1b`` (Kimi K2's extra warm-up
     micro-batches); other schedules reject a non-zero value.
     """
-    if name == "dualpipe":
-        raise ValueError("pipeline schedule 'dualpipe' (bidirectional, parameters duplicated) is not supported "
-                         "by this generator yet; use 'dualpipev' (same bubble, no duplicated parameters). The "
-                         "data model can hold it: see [Note: dualpipe mapping] and Schedule.bidirectional")
     gen = GENERATORS.get(name)
     if gen is None:
         raise ValueError(f"pipeline schedule {name!r} is not supported; supported: {', '.join(GENERATORS)}")

@@ -64,6 +64,7 @@ CASES = [
     ("zb-h2", 1, [(1, 1), (2, 2), (4, 3), (4, 16), (8, 32)]),
     ("zb-v", 2, [(1, 1), (2, 2), (4, 3), (4, 16), (8, 32)]),
     ("dualpipev", 2, [(1, 2), (2, 4), (4, 8), (4, 13), (8, 16), (8, 32)]),
+    ("dualpipe", 2, [(2, 4), (4, 8), (4, 10), (8, 16), (8, 32), (16, 32)]),
 ]
 ALL = [(n, pp, vpp, m) for n, vpp, cs in CASES for pp, m in cs]
 
@@ -73,7 +74,8 @@ def test_generated_schedule_is_valid_and_round_trips(name, pp, vpp, m):
     s = generate(name, pp, vpp, m)
     assert validate(s) == []
     csv_text = s.to_torch_csv()
-    back = Schedule.from_torch_csv(csv_text, pp, vpp, m, placement=s.placement, name=name)
+    back = Schedule.from_torch_csv(csv_text, pp, vpp, m, placement=s.placement, name=name,
+                                   bidirectional=s.bidirectional)
     assert back.ranks == s.ranks
     assert back.to_torch_csv() == csv_text
     assert validate(back) == []
@@ -93,7 +95,7 @@ def test_interleaved_warmup_extra_is_valid_and_adds_warmup_forwards(extra):
 
 def test_every_configured_pipeline_is_generated_or_refused_clearly():
     for name in PIPELINES:
-        vpp = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
+        vpp = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev", "dualpipe") else 1
         if name in GENERATORS:
             assert validate(generate(name, 4, vpp, 8)) == []
         else:
@@ -108,6 +110,9 @@ def test_every_configured_pipeline_is_generated_or_refused_clearly():
     ("interleaved-1f1b", 4, 2, 6, "multiple of pp"),
     ("zb-v", 4, 1, 8, "vpp 2"),
     ("dualpipev", 4, 2, 7, "2\\*pp"),
+    ("dualpipe", 3, 2, 12, "even pp"),
+    ("dualpipe", 4, 2, 6, "2\\*pp"),
+    ("dualpipe", 4, 1, 8, "vpp 2"),
     ("1f1b", 4, 2, 8, "vpp 1"),
     ("1f1b", 4, 1, 8, "warmup_extra"),
 ])
@@ -121,7 +126,7 @@ def test_unsupported_combinations_raise_clear_value_errors(name, pp, vpp, m, mat
 @given(name=st.sampled_from(sorted(GENERATORS)), pp=st.integers(1, 8), vpp=st.integers(1, 4),
        m=st.integers(1, 32), extra=st.integers(0, 3))
 def test_property_generated_schedules_valid_and_round_trip(name, pp, vpp, m, extra):
-    if name in ("zb-v", "dualpipev"):
+    if name in ("zb-v", "dualpipev", "dualpipe"):
         vpp = 2
     elif name == "interleaved-1f1b":
         vpp = max(vpp, 2)
@@ -130,13 +135,18 @@ def test_property_generated_schedules_valid_and_round_trip(name, pp, vpp, m, ext
         vpp = 1
     if name == "dualpipev":
         m = max(m, 2 * pp)
+    if name == "dualpipe":
+        pp += pp % 2
+        m = max(m + m % 2, 2 * pp)
     s = generate(name, pp, vpp, m, warmup_extra=extra if name == "interleaved-1f1b" else 0)
     assert validate(s) == []
     counts = sum(1 for _ in s.actions())
     n_bwd = sum(1 for _, _, a in s.actions() if a.op in "BI")
-    assert n_bwd == pp * vpp * m  # one backward per (vstage, mb)
-    assert counts >= 2 * pp * vpp * m
-    assert Schedule.from_torch_csv(s.to_torch_csv(), pp, vpp, m, placement=s.placement).ranks == s.ranks
+    visits = pp * vpp * m // (2 if s.bidirectional else 1)  # dualpipe: each mb visits pp of 2pp vstages
+    assert n_bwd == visits  # one backward per (vstage, mb) on the mb's route
+    assert counts >= 2 * visits
+    assert Schedule.from_torch_csv(s.to_torch_csv(), pp, vpp, m, placement=s.placement,
+                                   bidirectional=s.bidirectional).ranks == s.ranks
     res = simulate_uniform(s, 1.0, 2.0, 1.0)
     assert all(v >= -1e-9 for v in res.idle.values())
 
@@ -309,6 +319,24 @@ def test_dualpipev_bubble_pp_over_2_minus_1_times_fandb_plus_b_minus_3w(p, M, F,
     assert res2.idle[0] == pytest.approx((p - 1) * (4.0 + 3.0 - 3.0) + (1.0 - 2.0))
     # activations: at most 2p+1 chunk activations (DeepSeek: PP+1 with PP = 2p chunks/stages)
     assert max(res.peak_inflight.values()) <= 2 * p + 1
+
+
+@pytest.mark.parametrize("F,W", [(1.0, 1.0), (2.0, 1.0), (1.0, 0.5), (1.5, 1.0)])
+@pytest.mark.parametrize("p,M", [(2, 4), (4, 8), (4, 16), (8, 16), (8, 32), (16, 32)])
+def test_dualpipe_bubble_pp_over_2_minus_1_times_fandb_plus_b_minus_3w(p, M, F, W):
+    # DualPipe README: bubble (PP/2-1)(F&B+B-3W) with PP = p ranks, each holding two stages (one
+    # of each copy); F, B, W per stage, F&B = F + B in this compute-lane model, F = I (B = F + W).
+    # Parameters: two copies (each rank holds 2 of the model's p stages, 2x DualPipeV's share);
+    # activations: at most PP+1 stage activations per rank, as the README's table.
+    B = F + W
+    res = simulate_uniform(generate("dualpipe", p, 2, M), F=F, B=B, W=W)
+    for r in range(p):
+        assert res.idle[r] == pytest.approx((p / 2 - 1) * ((F + B) + B - 3 * W), abs=1e-6)
+    assert max(res.peak_inflight.values()) <= p + 1
+    s = generate("dualpipe", p, 2, M)
+    assert s.bidirectional and all(len(set(s.route(m))) == p for m in range(M))
+    assert {a.mb for _, _, a in s.actions() if a.vstage == 0} == set(range(M // 2))  # fed from rank 0
+    assert {a.mb for _, _, a in s.actions() if a.vstage == p} == set(range(M // 2, M))  # and from rank p-1
 
 
 def test_comm_delay_lengthens_1f1b_step():
