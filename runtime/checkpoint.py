@@ -289,14 +289,15 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def make_group():
+def make_group(timeout=None):
     """The checkpoints' own process group (gloo, every rank; see [Note: asynchronous save]); None
-    without torch.distributed. Every rank must call it at the same point."""
+    without torch.distributed. Every rank must call it at the same point. ``timeout`` (a timedelta:
+    the run's ``--timeout``) bounds its collectives, and so an asynchronous save's wait."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 class Checkpointer:

@@ -195,7 +195,7 @@ def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: i
 
     if args.save_every < 0:
         raise UserError(f"--save-every: must be 0 (never) or a number of steps >= 1; got {args.save_every}")
-    group = ck.make_group() if (args.save_every or args.resume) else None
+    group = ck.make_group(timedelta(seconds=args.timeout)) if (args.save_every or args.resume) else None
     cp = ck.Checkpointer(runner, out=out, cfg=cfg, seed=seed, rank=rank, world=world, every=args.save_every,
                          mode=args.save_mode, group=group)
     start, doc, path = 0, None, None
