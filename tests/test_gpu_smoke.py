@@ -59,3 +59,62 @@ def test_gpu_smoke_catches_a_missing_wait(tmp_path):
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     bad = [r for r in doc["runs"] if not r["passed"]]
     assert [r["run"] for r in bad] == ["k3+delay:offload_local"], doc["runs"]
+
+
+# -- devices: --device, the GPU run environment, the NVTX fallback (fast, in-process) --------------
+
+def test_resolve_device_and_the_too_few_gpus_line(monkeypatch):
+    from runtime import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert launch.resolve_device(None, 2) == "cuda"
+    assert launch.resolve_device(None, 4) == "cpu"  # not every rank would have its own GPU
+    assert launch.resolve_device("cpu", 1) == "cpu"
+    assert launch.resolve_device("cuda", 2) == "cuda"
+    with pytest.raises(ValueError, match=r"^--device cuda: the config needs 4 ranks, one GPU each, but this machine "
+                                         r"has 2 GPU\(s\) visible to torch; use --device cpu"):
+        launch.resolve_device("cuda", 4)
+    with pytest.raises(ValueError, match="^--device: must be cpu or cuda"):
+        launch.resolve_device("gpu", 1)
+
+
+def test_cli_run_device_cuda_without_gpus_is_one_line_and_exit_2(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    p = subprocess.run([sys.executable, "-m", "k3sched.cli", "run", str(REPO / "configs" / "tiny-cpu.yaml"),
+                        "--device", "cuda", "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["error: --device cuda: the config needs 4 ranks, one GPU each, but this "
+                                             "machine has 0 GPU(s) visible to torch; use --device cpu or a smaller "
+                                             "pp*ep*dp"]
+
+
+def test_gpu_run_environment(tmp_path, monkeypatch):
+    from runtime.launch import gpu_env
+
+    env = gpu_env(tmp_path)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] != "0" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and "TORCH_NCCL_BLOCKING_WAIT" not in env
+    assert int(env["CUDA_DEVICE_MAX_CONNECTIONS"]) >= 6  # 5 lane streams + the current one, each its own queue
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path.resolve()))
+
+
+def test_nvtx_fallback_is_a_noop_with_one_notice_on_cpu(monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the fallback is torch.cuda.nvtx")
+    from runtime import executor as exm
+    from k3sched.tasks import Kind
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx -> ImportError
+    assert exm.load_nvtx() is None
+    monkeypatch.setattr(exm, "_nvtx", None)
+    monkeypatch.setattr(exm, "_nvtx_notice", [False])
+    t = exm.PlanTask(id="s0/mb0/L0/attn.fwd", kind=Kind.ATTN_FWD, lane="compute", stage=0, chunk=0, mb=0, layer=0)
+    for _ in range(2):
+        with exm.Executor({"compute": [t]}, {Kind.ATTN_FWD: lambda task: None}, perturb=None) as ex:
+            assert not ex.use_nvtx
+            ex.run_step(0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3sched: NVTX ranges off"), err
