@@ -257,7 +257,8 @@ def plan_lookahead(plan: "Plan") -> int:
 def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] | None = None,
                 lookahead: int | None = None, wgrad_lag: int | None = None, time_limit_s: float = 10.0,
                 hint_plan: "Hint | Sequence[Hint] | None" = None, lower: "ExactResult | None" = None,
-                scale: int = 100, workers: int = 2, seed: int = 0) -> ExactResult:
+                scale: int = 100, workers: int = 2, seed: int = 0, budget_bytes: int | None = None,
+                deterministic_time: float | None = None) -> ExactResult:
     """Minimise the step time of ``cfg``'s task DAG under the lane rules (see module docstring).
 
     ``mode``: ``backbone`` (compute lane gated by the pipeline schedule, [Note: backbone-constrained
@@ -272,6 +273,20 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
     each one's lane orders (or integer starts) give a feasible starting solution, the shortest one
     that is feasible for this mode is used and bounds the makespan from above. Raises ValueError for
     more than ``MAX_TASKS`` tasks or an unknown mode.
+    ``budget_bytes``: also keep each stage's device memory (static bytes plus every task's
+    allocations from its start and frees at its end, as ``simulator.memory_timeline`` counts them)
+    within this budget, without offload ([Note: exact memory model]); hints over it are rejected.
+    ``deterministic_time``: stop on CP-SAT's deterministic time instead of ``time_limit_s`` (the
+    wall clock is then only a safety net at 20x), for results that do not depend on machine load.
+
+    [Note: exact memory model]
+    With ``budget_bytes`` a reservoir constraint per stage adds each task's ``alloc.device`` at its
+    start and subtracts ``free.device`` (and a receive's ``release`` of its sender's buffer) at its
+    end; the level (on top of the stage's static bytes) stays within the budget. CP-SAT nets events
+    at one instant together, as the planner's timeline puts frees before allocations. Found starts
+    re-timed with the real (shorter) durations free memory no later, so ``makespan_us`` is a
+    schedule within the budget. Hints (e.g. a k3 plan under the same budget) are re-timed with the
+    rounded durations and used only if they stay within it.
     """
     from ortools.sat.python import cp_model
 
@@ -304,6 +319,25 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
     def span(h: dict[str, int]) -> int:
         return max(h[t] + dur[t] for t in tasks)
 
+    def within_budget(h: dict[str, int]) -> bool:
+        if budget_bytes is None:
+            return True
+        ev: dict[int, list[tuple[int, int]]] = {}
+        for tid, t in tasks.items():
+            if t.alloc.device:
+                ev.setdefault(t.stage, []).append((h[tid], t.alloc.device))
+            if t.free.device:
+                ev.setdefault(t.stage, []).append((h[tid] + dur[tid], -t.free.device))
+            if t.release is not None and t.release[1]:
+                ev.setdefault(t.release[0], []).append((h[tid] + dur[tid], -t.release[1]))
+        for s_, es in ev.items():
+            level, room = 0, budget_bytes - g.static_device[s_]
+            for _, d in sorted(es):  # frees before allocations at one instant, as CP-SAT nets them
+                level += d
+                if level > room:
+                    return False
+        return True
+
     for hp in hints:
         if isinstance(hp, ExactResult):
             h = dict(hp.starts_int) if hp.scale == scale and set(hp.starts_int) == set(tasks) else None
@@ -311,7 +345,7 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
             h = _retime(g, dur, hp)
         if h is None:
             continue
-        if pairs and gate_violations(pairs, h):
+        if (pairs and gate_violations(pairs, h)) or not within_budget(h):
             rejected += 1
             continue
         if hint is None or span(h) < span(hint):
@@ -346,6 +380,22 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
             m.add_no_overlap(ivs)
     for u, t in pairs:  # backbone gate (and WGrad deadlines)
         m.add(start[u] <= start[t])
+    if budget_bytes is not None:  # [Note: exact memory model]
+        ev: dict[int, tuple[list, list]] = {s_: ([], []) for s_ in range(cfg.parallel.pp)}
+        for tid, t in tasks.items():
+            if t.alloc.device:
+                ev[t.stage][0].append(start[tid])
+                ev[t.stage][1].append(int(t.alloc.device))
+            if t.free.device:
+                ev[t.stage][0].append(start[tid] + dur[tid])
+                ev[t.stage][1].append(-int(t.free.device))
+            if t.release is not None and t.release[1]:
+                ev[t.release[0]][0].append(start[tid] + dur[tid])
+                ev[t.release[0]][1].append(-int(t.release[1]))
+        for s_, (times, deltas) in ev.items():
+            if times:
+                room = int(budget_bytes) - int(g.static_device[s_])
+                m.add_reservoir_constraint(times, deltas, -sum(abs(d) for d in deltas) - 1, room)
     lb = min(lb, horizon)
     makespan = m.new_int_var(lb, horizon, "makespan")
     for tid in tasks:
@@ -358,6 +408,9 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
         m.add_hint(makespan, horizon)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
+    if deterministic_time is not None:
+        solver.parameters.max_deterministic_time = float(deterministic_time)
+        solver.parameters.max_time_in_seconds = 20.0 * float(time_limit_s)
     solver.parameters.num_search_workers = workers
     solver.parameters.random_seed = seed
     code = solver.solve(m)

@@ -37,7 +37,10 @@ Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
 
 
 def placement_for(cfg: Config) -> Placement:
-    """V-shaped placement for ZB-V and DualPipeV, Megatron's loop placement otherwise."""
+    """V-shaped placement for ZB-V and DualPipeV, Megatron's loop placement otherwise; DualPipe:
+    two copies of the pp model stages as 2*pp vstages in V placement ([Note: dualpipe mapping])."""
+    if cfg.schedule.pipeline == "dualpipe":
+        return Placement("v", cfg.parallel.pp, 2)
     style = "v" if cfg.schedule.pipeline in ("zb-v", "dualpipev") else "loop"
     return Placement(style, cfg.parallel.pp, cfg.parallel.vpp)
 
@@ -146,12 +149,25 @@ class _Builder:
         self.topo: dict[str, int] = {}
         self.start_deps: dict[str, list[str]] = {}
         self.layers = split_layers(cfg)
+        self.bidir = cfg.schedule.pipeline == "dualpipe"
+        if self.bidir:  # vstage pp + k is the up copy of model stage k
+            self.layers = self.layers + self.layers
         self.offload_sets: dict[tuple[int, int, int], int] = {}
         self._saved = {k: self.cost.saved_bytes(k) for k in Kind}
         self._grad_out = {k: self.cost.grad_out_bytes(k) for k in Kind}
         self._dur: dict[Kind, float] = {}
 
     # -- helpers -------------------------------------------------------------------------------
+    def route(self, m: int) -> range:
+        """The vstages micro-batch ``m`` passes (DualPipe: the first half down, the rest up)."""
+        if not self.bidir:
+            return range(self.nv)
+        pp = self.cfg.parallel.pp
+        return range(0, pp) if m < self.cfg.parallel.microbatches // 2 else range(pp, 2 * pp)
+
+    def mbs_of(self, v: int) -> list[int]:
+        return [m for m in range(self.cfg.parallel.microbatches) if v in self.route(m)]
+
     def dur(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
         if kind in (Kind.GRAD_RS,) or nbytes:
             return self.cost.duration_us(kind, layer=layer, nbytes=nbytes)
@@ -180,6 +196,12 @@ class _Builder:
         self.topo[tid] = len(self.topo)
         return tid
 
+    def is_first(self, v: int) -> bool:
+        return v == 0 or (self.bidir and v == self.cfg.parallel.pp)
+
+    def is_last(self, v: int) -> bool:
+        return v == self.nv - 1 or (self.bidir and v == self.cfg.parallel.pp - 1)
+
     def fwd_alloc(self, kind: Kind) -> Mem:
         w, x = self._saved[kind]
         return Mem(device=w + x)
@@ -187,7 +209,6 @@ class _Builder:
     # -- expansion -----------------------------------------------------------------------------
     def build(self) -> StepGraph:
         cfg, pl = self.cfg, self.pl
-        M = cfg.parallel.microbatches
         self.fwd_out: dict[tuple[int, int], list[str]] = {}
         self.bwd_out: dict[tuple[int, int], str] = {}
         self.send_f: dict[tuple[int, int], str] = {}
@@ -195,17 +216,18 @@ class _Builder:
         self.layer_bwd_first: dict[tuple[int, int, int], str] = {}
         self.wgrads: dict[tuple[int, int], list[str]] = {}  # (mb, layer) -> dW ids
         for v in range(self.nv):
-            for m in range(M):
+            for m in self.mbs_of(v):
                 self.forward(v, m)
         for v in reversed(range(self.nv)):
-            for m in range(M):
+            for m in self.mbs_of(v):
                 self.backward(v, m)
         self.gradients()
         static_dev, static_host = [], []
         for s in range(cfg.parallel.pp):
             vs = [v for v in range(self.nv) if self._rank[v] == s]
             layers = [L for v in vs for L in self.layers[v]]
-            d, h = self.cost.static_bytes(layers, embed=0 in vs, head=self.nv - 1 in vs)
+            d, h = self.cost.static_bytes(layers, embed=any(self.is_first(v) for v in vs),
+                                          head=any(self.is_last(v) for v in vs))
             static_dev.append(d)
             static_host.append(h)
         return StepGraph(cfg, pl, self.tasks, self.unit, self.topo, self.start_deps, static_dev, static_host,
@@ -214,7 +236,7 @@ class _Builder:
     def forward(self, v: int, m: int) -> None:
         pl, model = self.pl, self.cfg.model
         stage = self._rank[v]
-        if v == 0:
+        if self.is_first(v):
             prev = [self.add(Kind.EMBED_FWD, v, "F", m, scope_chunk=True)]
         elif self._rank[v - 1] != stage:
             prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, m)]],
@@ -252,7 +274,7 @@ class _Builder:
                 # the peer's side: receive and keep it (its memory is accounted via peer_stage)
                 self.add(Kind.ACT_RSTORE, v, "F", m, layer=L, deps=[off], nbytes=nbytes, at_stage=peer,
                          peer_stage=stage, buffer=buf, duration=self.cfg.hardware.launch_us + self.cost.pp_link[1])
-        if v == self.nv - 1:
+        if self.is_last(v):
             prev = [self.add(Kind.HEAD_FWD, v, "F", m, scope_chunk=True, deps=prev,
                              alloc=self.fwd_alloc(Kind.HEAD_FWD))]
         elif self._rank[v + 1] != stage:
@@ -292,7 +314,7 @@ class _Builder:
         stage = self._rank[v]
         sv, dx_alloc = self._saved, self._grad_out.__getitem__
         wg = self.wgrads
-        if v == self.nv - 1:
+        if self.is_last(v):
             head_fwd = self.fwd_out[(v, m)][0]
             up = self.add(Kind.HEAD_DX, v, "I", m, scope_chunk=True, deps=[head_fwd],
                           free=Mem(device=sv[Kind.HEAD_FWD][1]), alloc=Mem(device=dx_alloc(Kind.HEAD_DX)))
@@ -347,7 +369,7 @@ class _Builder:
                 W(Kind.MLP_DW, [mdx], sv[Kind.MLP_FWD][0] + dx_alloc(Kind.MLP_DX))
             W(Kind.ATTN_DW, [adx], sv[Kind.ATTN_FWD][0] + dx_alloc(Kind.ATTN_DX))
             up = adx
-        if v == 0:
+        if self.is_first(v):
             self.add(Kind.EMBED_DW, v, "W", m, scope_chunk=True, deps=[up])
         elif self._rank[v - 1] != stage:
             self.send_b[(v, m)] = self.add(Kind.BWD_SEND, v, "I", m, scope_chunk=True, deps=[up],
@@ -370,7 +392,6 @@ class _Builder:
     def gradients(self) -> None:
         cfg, pl, cost = self.cfg, self.pl, self.cost
         p = cfg.parallel
-        M = p.microbatches
         reduce = p.ep * p.dp > 1
         optim_deps: dict[int, list[str]] = {}
         for v in range(self.nv):
@@ -385,8 +406,9 @@ class _Builder:
                     shard = 4 * (dense // (p.ep * p.dp) + expert // p.dp)
                     group = max(1, p.pp)
                     prev_off = prev_add = None
-                    for g0 in range(0, M, group):
-                        mbs = range(g0, min(M, g0 + group))
+                    mine_mbs = self.mbs_of(v)
+                    for g0 in range(0, len(mine_mbs), group):
+                        mbs = mine_mbs[g0:g0 + group]
                         m = mbs[-1]
                         deps = [w for mm in mbs for w in self.wgrads[(mm, L)]]
                         if reduce:
@@ -401,22 +423,22 @@ class _Builder:
                                                    nbytes=shard, free=Mem(device=shard))
                     optim_deps.setdefault(stage, []).append(last)
                 elif reduce:
-                    deps = [w for m in range(M) for w in self.wgrads[(m, L)]]
+                    deps = [w for m in self.mbs_of(v) for w in self.wgrads[(m, L)]]
                     optim_deps.setdefault(stage, []).extend(self.grad_rs(v, None, L, deps))
                 else:
-                    optim_deps.setdefault(stage, []).extend(w for m in range(M) for w in self.wgrads[(m, L)])
+                    optim_deps.setdefault(stage, []).extend(w for m in self.mbs_of(v) for w in self.wgrads[(m, L)])
         for s in range(p.pp):
             deps = optim_deps.get(s, [])
-            v = next(v for v in range(self.nv) if self._rank[v] == s)
-            if v == 0:
-                deps = deps + [format_task_id(0, Kind.EMBED_DW, mb=m, chunk=0) for m in range(M)]
-            last_v = self.nv - 1
-            if self._rank[last_v] == s:
-                deps = deps + [format_task_id(s, Kind.HEAD_DW, mb=m, chunk=self._chunk[last_v]) for m in range(M)]
-            tid = format_task_id(s, Kind.OPTIM)
             mine = [u for u in range(self.nv) if self._rank[u] == s]
-            params, nonlayer = cost.stage_params([L for u in mine for L in self.layers[u]], embed=0 in mine,
-                                                 head=last_v in mine)
+            for u in mine:
+                if self.is_first(u):
+                    deps = deps + [format_task_id(s, Kind.EMBED_DW, mb=m, chunk=self._chunk[u]) for m in self.mbs_of(u)]
+                if self.is_last(u):
+                    deps = deps + [format_task_id(s, Kind.HEAD_DW, mb=m, chunk=self._chunk[u]) for m in self.mbs_of(u)]
+            tid = format_task_id(s, Kind.OPTIM)
+            params, nonlayer = cost.stage_params([L for u in mine for L in self.layers[u]],
+                                                 embed=any(self.is_first(u) for u in mine),
+                                                 head=any(self.is_last(u) for u in mine))
             self.tasks[tid] = Task(tid, Kind.OPTIM, LANE_OF[Kind.OPTIM], s, 0, None, None,
                                    duration_us=self.dur(Kind.OPTIM) + cost.optim_us(params, nonlayer), deps=deps)
             self.unit[tid] = (self.nv, "W", 1 << 30)

@@ -221,12 +221,15 @@ def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBoun
     if split_steps(cfg) <= EXACT_SPLIT_STEPS:
         pl = placement_for(cfg)
         split = split_layers(cfg)
+        firsts, lasts = {0}, {pl.num_stages - 1}
+        if cfg.schedule.pipeline == "dualpipe":  # two model copies ([Note: dualpipe mapping])
+            split, firsts, lasts = split + split, {0, p.pp}, {p.pp - 1, 2 * p.pp - 1}
         static, acts = [], []
         for s in range(p.pp):
             vs = [v for v in range(pl.num_stages) if pl.locate(v)[0] == s]
             layers = [L for v in vs for L in split[v]]
-            head = pl.num_stages - 1 in vs
-            static.append(cost.static_bytes(layers, embed=0 in vs, head=head)[0])
+            head = bool(lasts & set(vs))
+            static.append(cost.static_bytes(layers, embed=bool(firsts & set(vs)), head=head)[0])
             act = max((set_bytes[m.is_moe(L)] for L in layers), default=0)
             acts.append(max(act, head_act if head else 0))
         return MemoryBound([a + b for a, b in zip(static, acts)], static, acts, True)

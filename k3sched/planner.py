@@ -68,6 +68,12 @@ def backbone(cfg: Config) -> "schedules.Schedule":
     """The pipeline schedule named by ``schedule.pipeline`` for this config."""
     p = cfg.parallel
     extra = cfg.schedule.warmup_extra if cfg.schedule.pipeline == "interleaved-1f1b" else 0
+    if cfg.schedule.pipeline == "dualpipe":
+        # two copies of the model's pp stages, one of each per rank ([Note: dualpipe mapping])
+        if p.vpp != 1:
+            raise ValueError(f"parallel.vpp: dualpipe splits each of its two model copies into pp stages and "
+                             f"places one stage of each copy per rank; set vpp 1, got {p.vpp}")
+        return schedules.generate("dualpipe", p.pp, 2, p.microbatches)
     return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
 
 
@@ -433,12 +439,12 @@ def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:
     return best
 
 
-def lower_bound_us(g: StepGraph) -> tuple[float, float, float]:
-    """(bound, critical path, max lane busy). Each task gets its earliest start (head) and the
+def lower_bound_us(g: StepGraph, paths: tuple | None = None) -> tuple[float, float, float]:
+    """(bound, critical path, max lane busy). ``paths``: ``path_bounds(g)`` if known. Each task gets its earliest start (head) and the
     chain that must follow it (tail) from the DAG; each (stage, lane) runs one task at a time, so
     the optimal preemptive schedule of its tasks with those heads and tails (Jackson's rule) bounds
     the step from below; so does the critical path."""
-    cp, head, tail = path_bounds(g)
+    cp, head, tail = paths if paths is not None else path_bounds(g)
     jobs: dict[tuple[int, str], list[tuple[float, float, float]]] = defaultdict(list)
     for tid, t in g.tasks.items():
         jobs[(t.stage, t.lane)].append((head[tid], t.duration_us, tail[tid]))
@@ -457,7 +463,11 @@ def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline])
         busy[t.stage, LANE_INDEX[t.lane]] += t.duration_us
         if t.duration_us > 0:
             iv[(t.stage, t.lane)].append((t.start_us, t.end_us))
-    lb, cp, lb_lanes = lower_bound_us(g)
+    from .bound import memory_lower_bound_us
+
+    paths = path_bounds(g)
+    lb, cp, lb_lanes = lower_bound_us(g, paths)
+    mlb = memory_lower_bound_us(g, lb=lb, paths=paths)
     bubble, exposed, exposed_us = [], [], []
     for s in range(pp):
         bubble.append({lane: round(float(1.0 - busy[s, i] / step), 6) if step else 0.0
@@ -481,6 +491,7 @@ def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline])
     return {
         "step_time_us": round(step, 3),
         "lower_bound_us": round(lb, 3),
+        "memory_lower_bound_us": round(mlb, 3),
         "critical_path_us": round(cp, 3),
         "max_lane_busy_us": round(lb_lanes, 3),
         "bubble_ratio": bubble,

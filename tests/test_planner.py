@@ -48,6 +48,7 @@ def check_plan_invariants(p, serial: bool) -> None:
     # device memory (what a stage holds for itself and for its peers) within the budget
     assert max(p.metrics["peak_device_bytes"]) <= p.cfg.budget_bytes
     assert p.metrics["lower_bound_us"] <= p.metrics["step_time_us"] + 1e-3
+    assert p.metrics["lower_bound_us"] <= p.metrics["memory_lower_bound_us"] <= p.metrics["step_time_us"] + 1e-3
     # the simulator, evaluating the planner's lane orders, never needs longer than the plan
     fresh = {tid: Task(t.id, t.kind, t.lane, t.stage, t.chunk, t.mb, t.layer, t.duration_us, list(t.deps))
              for tid, t in tasks.items()}
@@ -248,3 +249,20 @@ def test_send_buffer_stays_on_the_sender_until_its_receive_ends(tiny_cfg):
     mem = memory_timeline(p.tasks.values())[(0, "device")]
     kept = memory_timeline([Task(**{**t.__dict__, "release": None}) for t in p.tasks.values()])[(0, "device")]
     assert kept.bytes[-1] - mem.bytes[-1] == nbytes * len([s for s in sends if s.stage == 0])
+
+
+def test_dualpipe_plans_with_two_parameter_copies():
+    """Bidirectional DualPipe ([Note: dualpipe mapping]): every rank holds one stage of each model
+    copy, so twice DualPipeV's parameters; each micro-batch runs the pp stages of its direction."""
+    base = ["parallel.pp=2", "parallel.microbatches=8", "model.layers=4"]
+    dual = plan(load_config(CONFIGS / "tiny-cpu.yaml", base + ["schedule.pipeline=dualpipe", "parallel.vpp=1"]))
+    check_plan_invariants(dual, serial=False)
+    v = plan(load_config(CONFIGS / "tiny-cpu.yaml", base + ["schedule.pipeline=dualpipev", "parallel.vpp=2"]))
+    assert dual.pipeline == "dualpipe"
+    assert all(d > x for d, x in zip(dual.graph.static_device, v.graph.static_device))  # two copies
+    down = {t.stage for t in dual.tasks.values() if t.kind is Kind.EMBED_FWD and t.mb < 4}
+    up = {t.stage for t in dual.tasks.values() if t.kind is Kind.EMBED_FWD and t.mb >= 4}
+    assert down == {0} and up == {1}  # fed from both ends
+    assert sum(1 for t in dual.tasks.values() if t.kind is Kind.HEAD_FWD) == 8
+    with pytest.raises(ValueError, match="vpp 1"):
+        plan(load_config(CONFIGS / "tiny-cpu.yaml", base + ["schedule.pipeline=dualpipe", "parallel.vpp=2"]))
