@@ -1,4 +1,4 @@
-.PHONY: run test bench gpu-check clean
+.PHONY: run test bench fuzz gpu-check clean
 VENV := .venv/.k3sched-setup
 
 $(VENV): pyproject.toml scripts/setup.sh
@@ -16,6 +16,9 @@ test: $(VENV)
 
 bench: $(VENV)
 	for b in benchmarks/bench_*.py; do .venv/bin/python $$b || exit 1; done
+
+fuzz: $(VENV)
+	.venv/bin/python benchmarks/fuzz_campaign.py
 
 # GPU smoke check (scripts/gpu_smoke.py): serial vs k3 in one process on cuda:0 with lane streams,
 # with random delays injected per lane; DEVICE=cpu runs the same matrix on CPU threads.

@@ -458,3 +458,55 @@ def test_fuzz_values_read_or_raise_one_line(tmp_path):
             assert np.all((t.rank >= 0) & (t.rank < MAX_RANK))
             assert all(type(n) is str for n in t.name.tolist())
             assert skip or t.bad_events == 0
+
+
+# ---- found by the fuzz suite (tests/test_fuzz.py) -------------------------------------------
+
+def _nsys_with(tmp_path, sql: str) -> Path:
+    p = tmp_path / "run.sqlite"
+    synth.nsys_sqlite(p, PLAN, 50)
+    con = sqlite3.connect(p)
+    con.execute(sql)
+    con.commit()
+    con.close()
+    return p
+
+
+@pytest.mark.parametrize("sql, says", [
+    ("UPDATE NVTX_EVENTS SET textId = 'abc' WHERE rowid = 1", "textId 'abc'"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET correlationId = 'abc' WHERE rowid = 3", "correlationId 'abc'"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET correlationId = 1e300 WHERE rowid = 3", "correlationId"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET globalTid = 'abc' WHERE rowid = 2", "CUPTI_ACTIVITY_KIND_RUNTIME row 2"),
+    ("UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET start = 99999999999999999999 WHERE rowid = 2",
+     "CUPTI_ACTIVITY_KIND_RUNTIME row 2"),
+])
+def test_nsys_columns_the_projection_joins_on_are_checked(tmp_path, sql, says):
+    """The kernels' projection joins NVTX text ids, kernel correlation ids and the runtime calls'
+    thread and start: a bad value there used to leave a kernel silently without its task."""
+    p = _nsys_with(tmp_path, sql)
+    with pytest.raises(TraceError) as e:
+        read_nsys_sqlite(p)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "1 malformed event" in msg and says in msg, msg
+    assert read_nsys_sqlite(p, skip_bad_events=True).bad_events == 1
+
+
+def test_runtime_trace_checks_pid_and_format_even_with_otherdata_rank(tmp_path):
+    obj = _runtime()
+    obj["traceEvents"][_xs(obj)[0]]["pid"] = [1]
+    with pytest.raises(TraceError, match="pid"):
+        read_trace(_write(tmp_path, obj))
+    obj = _runtime()
+    obj["otherData"]["format"] = {"s": "k3sched.trace/1"}
+    with pytest.raises(TraceError, match="otherData.format"):
+        read_trace(_write(tmp_path, obj))
+
+
+def test_kineto_gpu_event_pid_is_checked(tmp_path):
+    obj = synth.kineto_trace(PLAN, 0)
+    k = next(i for i, e in enumerate(obj["traceEvents"]) if e.get("cat") == "kernel")
+    obj["traceEvents"][k]["pid"] = True
+    with pytest.raises(TraceError, match="pid true is not a process id"):
+        read_kineto(_write(tmp_path, obj, "k.json"))
+    obj["traceEvents"][k]["pid"] = "GPU 0"  # a label, as Kineto writes for some devices
+    assert len(read_kineto(_write(tmp_path, obj, "k.json")))

@@ -54,6 +54,9 @@ def load_json(path: str | os.PathLike):
         return json.loads(raw)
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not JSON (binary content)") from None
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deep to be a trace (a trace is an object holding a "
+                         "traceEvents list of flat event objects)") from None
     except json.JSONDecodeError as e:
         what = "JSON truncated" if e.pos >= len(raw.rstrip()) - 1 else "JSON invalid"
         raise TraceError(f"{path}: {what} at line {e.lineno} column {e.colno}: {e.msg}") from None
@@ -254,7 +257,12 @@ def table_from_runtime(obj, path="<memory>", skip_bad_events: bool = False) -> E
     ``ph: "X"`` event; rank = ``otherData.rank`` when given, else the event's ``pid``.
     Malformed events: see [Note: malformed events] (``traces.events``)."""
     ev = _events_of(obj, path)
-    rank = _file_rank(_section(obj, "otherData", path).get("rank"), "otherData.rank", path)
+    other = _section(obj, "otherData", path)
+    fmt = other.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise TraceError(f"{path}: 'otherData.format' is {_what(fmt)} {show(fmt)}, expected a string "
+                         "(k3sched.trace/1 for the runtime's trace)")
+    rank = _file_rank(other.get("rank"), "otherData.rank", path)
     bad = BadEvents(path)
     phs = _scan(ev, bad)
     g = _Group(ev, [i for i, p in enumerate(phs) if p == "X"])
@@ -262,6 +270,8 @@ def table_from_runtime(obj, path="<memory>", skip_bad_events: bool = False) -> E
     ts, end = g.span()
     if rank is None:
         ranks = g.ints("pid", g.vals("pid"), 0, MAX_RANK, f"a rank ({ALLOWED_RANK}; no otherData.rank given)")
+    else:  # the rank is the file's; each event's pid must still be a process id
+        g.ints("pid", g.vals("pid"), -(1 << 31), 1 << 31, _ALLOWED_PID)
     tids = g.ints("tid", g.vals("tid", 0), *_I64, _ALLOWED_ID, labels=True)
     nbytes = g.nbytes(g.args())
     ok = g.done(bad)
@@ -331,6 +341,8 @@ def table_from_kineto(obj, path="<memory>", skip_bad_events: bool = False) -> Ev
                      "a device (allowed: an integer -1 <= device < 2^31, or a string label)", labels=True)
         stream = g.ints("stream", [a.get("stream", e.get("tid", 0)) for a, e in zip(args, g.ev)], *_I64,
                         "a stream id (allowed: an integer or a string label)", labels=True)
+        g.ints("pid", g.vals("pid", -1), -(1 << 31), 1 << 31, _ALLOWED_PID + " or a string label", labels=True)
+        g.ints("tid", g.vals("tid", 0), *_I64, _ALLOWED_ID, labels=True)
         nbytes = g.nbytes(args)
         ok = g.done(bad)
         names, start, end, corr, dev, stream, nbytes = (x[ok] for x in (names, start, end, corr, dev, stream, nbytes))

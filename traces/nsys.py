@@ -154,10 +154,34 @@ def _int_check(label: str, v: list, allowed: str, lo: int = -(1 << 63), hi: int 
     return checks, a
 
 
+# A CUPTI_ACTIVITY_KIND_RUNTIME row the kernels' projection may use: the columns it reads are
+# integers, the start a time (ns, 0 <= t < 2^53 µs). Checked in SQL (one scan, no rows brought
+# into Python unless they are bad); a bad row is a malformed event, and it is never joined.
+_RUNTIME_ROW_OK = ("(typeof(r.correlationId) = 'integer' AND typeof(r.globalTid) = 'integer' "
+                   "AND typeof(r.start) = 'integer' AND r.start >= 0 AND r.start < 9007199254740992000)")
+
+
+def _check_runtime_rows(con: sqlite3.Connection, bad: BadEvents) -> None:
+    sql = (f"SELECT {_rowid(con, 'CUPTI_ACTIVITY_KIND_RUNTIME', 'r')}, r.correlationId, r.globalTid, r.start "
+           f"FROM CUPTI_ACTIVITY_KIND_RUNTIME r WHERE NOT {_RUNTIME_ROW_OK} AND r.correlationId IS NOT NULL")
+    rows = con.execute(sql).fetchall()
+    if not rows:
+        return
+    pos = _positions([r[0] for r in rows])
+    cols = ("correlationId", "globalTid", "start")
+    bad.check([(np.ones(len(rows), bool),
+                lambda i: "runtime call with " + ", ".join(f"{c} {show(rows[i][k + 1], sql=True)}"
+                                                           for k, c in enumerate(cols))
+                + " (allowed: integers, start a time 0 <= t < 2^53 µs in ns)")],
+              pos, lambda p: f"CUPTI_ACTIVITY_KIND_RUNTIME row {p}", order=len(_GPU_ORDER))
+
+
+_GPU_ORDER = ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET")
+
+
 def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_events: bool = False) -> EventTable:
     tables = _tables(con)
-    gpu_tables = [t for t in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY",
-                              "CUPTI_ACTIVITY_KIND_MEMSET") if t in tables]
+    gpu_tables = [t for t in _GPU_ORDER if t in tables]
     if "NVTX_EVENTS" not in tables and not gpu_tables:
         found = ", ".join(sorted(tables)[:6]) or "none"
         raise TraceError(f"{path}: missing required tables: neither NVTX_EVENTS nor CUPTI_ACTIVITY_KIND_* "
@@ -180,15 +204,17 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
         if "textId" in cols and has_strings:
             text = f"COALESCE({text}, s.value)"
             join = "LEFT JOIN StringIds s ON s.id = n.textId"
-        sql = (f"SELECT {_rowid(con, 'NVTX_EVENTS', 'n')}, n.eventType, n.start, n.end, n.globalTid, {text} "
-               f"FROM NVTX_EVENTS n {join} WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) "
+        text_id = "n.textId" if "textId" in cols else "NULL"
+        sql = (f"SELECT {_rowid(con, 'NVTX_EVENTS', 'n')}, n.eventType, n.start, n.end, n.globalTid, {text}, "
+               f"{text_id} FROM NVTX_EVENTS n {join} WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) "
                f"OR (n.eventType = {NVTX_MARK} AND {text} LIKE '{RANK_MARK_PREFIX}%')")
-        rid, et, s, e, g, t = _fetch(con, sql, 6)
+        rid, et, s, e, g, t, tid_ = _fetch(con, sql, 7)
         is_range = np.fromiter((x != NVTX_MARK for x in et), bool, len(et))
         checks, sf, ef = _span_checks(s, e)
         checks = [(m & is_range, r) for m, r in checks]
         gc, gi = _int_check("globalTid", g, "a thread id (allowed: an integer)")
         checks += gc
+        checks += _int_check("textId", tid_, "a StringIds id (allowed: an integer or NULL)", nullable=True)[0]
         if not set(map(type, t)) <= {str, type(None)}:
             checks.append((np.fromiter((x is not None and type(x) is not str for x in t), bool, len(t)),
                            lambda i: f"text {show(t[i], sql=True)} is not a string (allowed: text or NULL)"))
@@ -214,6 +240,8 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
     gpu: list[dict] = []
     runtime_cols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME") if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables else set()
     can_project = {"correlationId", "globalTid", "start"} <= runtime_cols
+    if can_project:
+        _check_runtime_rows(con, bad)
     for order, table in enumerate(gpu_tables, start=1):
         cols = _columns(con, table)
         need = {"start", "end", "streamId"}
@@ -233,16 +261,17 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
             name, extra = "NULL", "0"
         pid_of = "a.globalPid" if "globalPid" in cols else "NULL"
         rid = _rowid(con, table, "a")
+        corr = "a.correlationId" if "correlationId" in cols else "NULL"
         if can_project and "correlationId" in cols:
-            on = "r.correlationId = a.correlationId"
+            on = f"r.correlationId = a.correlationId AND {_RUNTIME_ROW_OK}"
             if "globalPid" in cols:
                 on += f" AND (r.globalTid & {_PID_MASK}) = a.globalPid"
             sql = (f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
-                   f"r.globalTid, r.start FROM {table} a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON {on}")
+                   f"r.globalTid, r.start, {corr} FROM {table} a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON {on}")
         else:
             sql = (f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
-                   f"NULL, NULL FROM {table} a")
-        v = _fetch(con, sql, 11)
+                   f"NULL, NULL, {corr} FROM {table} a")
+        v = _fetch(con, sql, 12)
         if not v[0]:
             continue
         checks, start, end = _span_checks(v[1], v[2])
@@ -259,6 +288,8 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
         checks += c
         c, gpid = _int_check("globalPid", v[8], "a process id (allowed: an integer or NULL)", nullable=True)
         checks += c
+        checks += _int_check("correlationId", v[11], "a correlation id (allowed: an integer 0 <= id < 2^63 or NULL)",
+                             0, nullable=True)[0]
         c, rgtid = _int_check("launching runtime call's globalTid", v[9], "a thread id (allowed: an integer)",
                               nullable=True)
         checks += c
