@@ -229,9 +229,13 @@ class PendingSends:
         with self._cv:
             return sum(b.numel() * b.element_size() for _, b in self._items.values())
 
-    def wait_all(self) -> None:
+    def wait_all(self, timeout_s: float | None = None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while self._items and self._error is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError(f"{len(self._items)} P2P send(s) not complete after {timeout_s:.0f} s "
+                                       "(the receiving rank stopped?)")
                 self._cv.wait(0.05)
             err, self._error = self._error, None
         if err is not None:
@@ -458,7 +462,7 @@ class StageRunner:
     def end_step(self) -> float:
         """Wait for outstanding sends; return this rank's loss contribution (sum over its
         micro-batches of cross-entropy if it holds the head, plus aux-loss terms of its layers)."""
-        self.sends.wait_all()
+        self.sends.wait_all(self.p2p_timeout_s)
         self.acts.end_step()
         if self.gshards is not None:
             self.gshards.end_step()

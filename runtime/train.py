@@ -123,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mark_rank(rank: int) -> None:
     """NVTX mark ``k3sched.rank=N``: names this process's rank in an nsys capture ([Note: nsys
-    ranks] in traces/nsys.py). A no-op without the nvtx package or a profiler."""
-    try:
-        import nvtx
-    except ImportError:  # pragma: no cover
+    ranks] in traces/nsys.py). Through ``torch.cuda.nvtx`` without the nvtx package on CUDA
+    ([Note: NVTX fallback] in runtime/executor.py); a no-op on CPU without it or without a profiler."""
+    from runtime.executor import load_nvtx
+
+    nvtx = load_nvtx()
+    if nvtx is None:
         return
     nvtx.mark(message=f"k3sched.rank={rank}", domain="k3sched")
 
