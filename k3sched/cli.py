@@ -447,34 +447,11 @@ def calibrate(
 
 
 def _writable_target(path: Path, *, directory: bool = False) -> str | None:
-    """Why ``path`` cannot be written (one phrase), or None: the one check of every output option.
-    ``directory``: the output is a directory to create or fill (``--out``), else a file.
-    (``traces.cli.writable_target`` is the same check for files; a test keeps them equal.)"""
-    import tempfile
+    """Why ``path`` cannot be written (one phrase), or None: ``traces.cli.writable_target``, the
+    one check of every output option (imported here, lazily: ``k3sched plan`` starts without it)."""
+    from traces.cli import writable_target
 
-    path = Path(path)
-    if directory:
-        if path.exists() and not path.is_dir():
-            return "is a file, expected a directory"
-        anc = path
-    else:
-        if path.is_dir():
-            return "is a directory"
-        if path.exists():
-            return None if os.access(path, os.W_OK) else "is not writable"
-        anc = path.parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        return f"{anc} is not a directory"
-    if not os.access(anc, os.W_OK | os.X_OK):
-        return f"cannot create files under {anc}"
-    try:  # access() says yes to root everywhere: try it (a file removed on close)
-        with tempfile.TemporaryFile(dir=anc):
-            pass
-    except OSError as e:
-        return f"cannot create files under {anc} ({e.strerror})"
-    return None
+    return writable_target(path, directory=directory)
 
 
 @command()

@@ -113,14 +113,17 @@ def test_calibrate_o_and_validate_json_targets(run_dir):
     _one_line(res, 2, "--json", "cannot create files under")
 
 
-def test_writable_target_is_one_check(tmp_path):
+def test_writable_target_answers(tmp_path):
+    """One check for every output option of both command lines (k3sched's calls traces')."""
     (tmp_path / "f").write_text("x")
-    cases = [tmp_path, tmp_path / "f", tmp_path / "new.json", tmp_path / "a" / "b" / "c.json",
-             tmp_path / "f" / "x.json", _unwritable_dir(tmp_path) / "x.json"]
-    for c in cases:
-        assert tcli.writable_target(c) == k3cli._writable_target(c), c
-    assert k3cli._writable_target(tmp_path / "new.json") is None
-    assert k3cli._writable_target(tmp_path, directory=True) is None
+    w = k3cli._writable_target
+    assert w(tmp_path) == "is a directory" and w(tmp_path / "f") is None
+    assert w(tmp_path / "new.json") is None and w(tmp_path / "a" / "b" / "c.json") is None
+    assert w(tmp_path / "f" / "x.json").endswith("is not a directory")
+    assert w(_unwritable_dir(tmp_path) / "x.json").startswith("cannot create files under")
+    assert w(tmp_path, directory=True) is None and w(tmp_path / "new", directory=True) is None
+    assert w(tmp_path / "f", directory=True) == "is a file, expected a directory"
+    assert tcli.writable_target(tmp_path / "f" / "x.json") == w(tmp_path / "f" / "x.json")
 
 
 # ---- numeric options -----------------------------------------------------------------------

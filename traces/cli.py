@@ -23,17 +23,23 @@ def _err(msg: str) -> None:
     print(f"{PROG}: error: {msg}", file=sys.stderr)
 
 
-def writable_target(path) -> str | None:
-    """Why the file ``path`` cannot be written (one phrase), or None. The same check as
-    ``k3sched.cli._writable_target`` (traces cannot import k3sched.cli; a test keeps them equal)."""
+def writable_target(path, *, directory: bool = False) -> str | None:
+    """Why ``path`` cannot be written (one phrase), or None: the one check of every output option
+    of both command lines (``k3sched`` calls it too). ``directory``: the output is a directory to
+    create or fill (``--out``), else a file."""
     import tempfile
 
     path = Path(path)
-    if path.is_dir():
-        return "is a directory"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else "is not writable"
-    anc = path.parent
+    if directory:
+        if path.exists() and not path.is_dir():
+            return "is a file, expected a directory"
+        anc = path
+    else:
+        if path.is_dir():
+            return "is a directory"
+        if path.exists():
+            return None if os.access(path, os.W_OK) else "is not writable"
+        anc = path.parent
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
     if not anc.is_dir():
