@@ -27,7 +27,7 @@ Life of an offloaded set (one (micro-batch, layer)):
   act.rstore / act.rserve (peer rank): receive into the peer pool and keep; send back.
   act.onload / act.ronload   (plan: prefetched before the layer's first backward task)
       copy into one device-pool buffer, put views of it back under every name.
-  last backward task of the set -> :meth:`ActivationManager.task_done` releases the device buffer
+  last backward task of the set -> :meth:`ActivationManager.release` returns the device buffer
       to the pool (fenced by the lanes' streams on GPU).
 
 [Note: FP8 on the device]

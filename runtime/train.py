@@ -444,6 +444,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
             trace["traceEvents"] += runner.memory.counter_events(rank, float(t0))
             trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
+            trace["otherData"]["memory_samples_missed"] = runner.memory.missed_samples
             trace["otherData"]["plan_peak_device_bytes"] = planned_peak
             (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
     finally:

@@ -101,7 +101,8 @@ def test_fp8_on_device_trains_close_to_fp32_with_a_lower_peak():
     num = sum(float((grads[k] - ref_grads[k]).double().pow(2).sum()) for k in ref_grads)
     den = sum(float(ref_grads[k].double().pow(2).sum()) for k in ref_grads)
     grad_rel = math.sqrt(num / den)
-    assert 0 < grad_rel < 0.2, grad_rel  # e4m3 (3 mantissa bits) on every saved float: measured ~0.09
+    # e4m3 (3 mantissa bits) on every saved float; deterministic on CPU: measured 0.0898
+    assert 0.06 < grad_rel < 0.11, grad_rel
     assert max(peaks) < 0.8 * max(ref_peaks), (peaks, ref_peaks)  # measured: 5.9 vs 10.2 MiB (0.58)
     assert runner.acts.device_pool.stats.in_use == 0
 

@@ -156,7 +156,9 @@ def test_noop_overhead_is_small():
         rec = ex.run_step(1)
     n = len(rec.timings)
     assert n == sum(len(v) for v in lanes.values())
-    assert rec.wall_s / n < 5e-3  # generous: a 2-core CI box under load
+    # README (bench_runtime.py): 12.7-48.5 µs per task on this kind of machine, 14-57 µs here at a
+    # load of 12 on 2 cores; the bound is 10x the README's figure
+    assert rec.wall_s / n < 500e-6, rec.wall_s / n
 
 
 @pytest.mark.gpu
