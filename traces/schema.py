@@ -194,6 +194,8 @@ class ReportMetrics(_Strict):
     ranks: Optional[NonNegInt] = None
     cross_rank_deps_skipped: Optional[NonNegInt] = None
     onload_pairs_checked: Optional[NonNegInt] = None
+    clock: Optional[Literal["device", "host", "mixed"]] = None
+    clock_counts: Optional[dict[Literal["device", "host"], NonNegInt]] = None
     violation_counts: Optional[dict[ViolationType, NonNegInt]] = None
     step_time_us: Optional[dict[Literal["planned", "measured"], Optional[Finite]]] = None
     duration_ratio_by_kind: Optional[dict[KindName, Optional[Finite]]] = None  # from trace data: any sign
@@ -202,6 +204,7 @@ class ReportMetrics(_Strict):
 class ValidationReport(_Strict):
     format: Literal[REPORT_FORMAT]  # type: ignore[valid-type]
     conforms: bool
+    clock: Optional[Literal["device", "host", "mixed"]] = None  # absent in reports written before it
     violations: list[ReportViolation]
     metrics: ReportMetrics
 

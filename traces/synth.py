@@ -291,12 +291,22 @@ def _insert(con, table: str, cols: dict, n: int) -> None:
     con.executemany(f"INSERT INTO {table} ({','.join(names)}) VALUES ({','.join('?' * len(names))})", zip(*data))
 
 
-def nsys_sqlite(path, plan: dict, n_kernels: int, ddl: dict | None = None, seed: int = 0) -> None:
+def nsys_sqlite(path, plan: dict, n_kernels: int = 0, ddl: dict | None = None, seed: int = 0, *,
+                kernels_per_task: int | None = None, kernel_shift_us: dict | None = None,
+                kernel_lane: dict | None = None) -> None:
     """Write an Nsight Systems SQLite export of an ideal run of ``plan``: one process per stage
     (= rank), one thread per lane, one NVTX push/pop range per task at its planned time, and
     ``n_kernels`` kernels launched from inside the ranges (runtime rows with correlation ids), each
     lane's kernels on its own stream. ``ddl``: CREATE TABLE statements per table (default
-    :data:`NSYS_SCHEMA`)."""
+    :data:`NSYS_SCHEMA`).
+
+    ``kernels_per_task=K`` replaces the random kernels by K kernels per task that cover its
+    range on the device (kernel i of a task spanning [s, e] runs [s + 2 + i(e-s)/K, s + 2 +
+    (i+1)(e-s)/K - gap] µs, launched inside the range; ep / collective kernels are named like NCCL
+    kernels), so the device timeline follows the plan like the host one. Then
+    ``kernel_shift_us`` {task id: µs} moves a task's kernels on the device (not its launches:
+    the host order stays right) and ``kernel_lane`` {task id: lane} puts a task's kernels on
+    another lane's stream."""
     import sqlite3
 
     import numpy as np
@@ -310,8 +320,8 @@ def nsys_sqlite(path, plan: dict, n_kernels: int, ddl: dict | None = None, seed:
     tasks = plan_tasks(plan)
     ids = [t["id"] for t in tasks]
     n = len(tasks)
-    _insert(con, "StringIds", {"id": np.arange(n + 2), "value": np.array(ids + ["gemm_kernel", "cudaLaunchKernel"],
-                                                                          dtype=object)}, n + 2)
+    _insert(con, "StringIds", {"id": np.arange(n + 3), "value": np.array(
+        ids + ["gemm_kernel", "cudaLaunchKernel", "ncclDevKernel_SendRecv"], dtype=object)}, n + 3)
     stage = np.array([t["stage"] for t in tasks])
     lane = np.array([LANES.index(t["lane"]) for t in tasks])
     pid = 1000 + 1000 * stage
@@ -321,22 +331,39 @@ def nsys_sqlite(path, plan: dict, n_kernels: int, ddl: dict | None = None, seed:
     end = t0 + (np.array([t["end_us"] for t in tasks]) * 1e3).astype(np.int64)
     _insert(con, "NVTX_EVENTS", {"start": start, "end": end, "eventType": 59, "globalTid": gtid,
                                  "textId": np.arange(n), "domainId": 0}, n)
-    # kernels: spread over the task ranges, launched inside each range
-    owner = np.sort(np.random.default_rng(seed).integers(0, n, n_kernels))
-    first = np.searchsorted(owner, np.arange(n))
-    k_in = np.arange(n_kernels) - first[owner]
-    per = np.bincount(owner, minlength=n)
-    span = (end - start)[owner]
-    launch = start[owner] + (k_in + 1) * span // (per[owner] + 2)
+    if kernels_per_task is None:
+        # kernels: spread over the task ranges, launched inside each range
+        owner = np.sort(np.random.default_rng(seed).integers(0, n, n_kernels))
+        first = np.searchsorted(owner, np.arange(n))
+        k_in = np.arange(n_kernels) - first[owner]
+        per = np.bincount(owner, minlength=n)
+        span = (end - start)[owner]
+        launch = start[owner] + (k_in + 1) * span // (per[owner] + 2)
+        kstart, kend, kname = launch + 2000, launch + 2500, np.full(n_kernels, n)
+        kstream = 7 + lane[owner]
+    else:
+        k = int(kernels_per_task)
+        n_kernels = n * k
+        owner = np.repeat(np.arange(n), k)
+        k_in = np.tile(np.arange(k), n)
+        span = (end - start)[owner]
+        launch = start[owner] + k_in * span // (k + 1) + 500
+        kstart = start[owner] + 2000 + k_in * span // k
+        kend = np.maximum(kstart + 1, start[owner] + 2000 + (k_in + 1) * span // k - np.minimum(1000, span // (4 * k)))
+        shift = np.array([int(round((kernel_shift_us or {}).get(i, 0.0) * 1e3)) for i in ids], np.int64)[owner]
+        kstart, kend = kstart + shift, kend + shift
+        comm = np.isin(lane, [LANES.index("ep"), LANES.index("collective")])[owner]
+        kname = np.where(comm, n + 2, n)
+        klane = np.array([LANES.index((kernel_lane or {}).get(i, t["lane"])) for i, t in zip(ids, tasks)])
+        kstream = 7 + klane[owner]
     corr = np.arange(1, n_kernels + 1)
     kpid = pid[owner]
     _insert(con, "CUPTI_ACTIVITY_KIND_RUNTIME", {"start": launch, "end": launch + 50, "eventClass": 1,
                                                  "globalTid": gtid[owner], "correlationId": corr, "nameId": n + 1,
                                                  "returnValue": 0}, n_kernels)
-    kstart = launch + 2000
-    _insert(con, "CUPTI_ACTIVITY_KIND_KERNEL", {"start": kstart, "end": kstart + 500, "deviceId": stage[owner],
-                                                "contextId": 1, "streamId": 7 + lane[owner], "correlationId": corr,
-                                                "globalPid": kpid << 24, "demangledName": n, "shortName": n,
+    _insert(con, "CUPTI_ACTIVITY_KIND_KERNEL", {"start": kstart, "end": kend, "deviceId": stage[owner],
+                                                "contextId": 1, "streamId": kstream, "correlationId": corr,
+                                                "globalPid": kpid << 24, "demangledName": kname, "shortName": kname,
                                                 "gridX": 1, "tensorSizeMinusOneElements": "[]"}, n_kernels)
     _insert(con, "META_DATA_EXPORT", {"name": np.array(["EXPORT_SCHEMA_VERSION"], dtype=object),
                                       "value": np.array(["3.25.0"], dtype=object)}, 1)
@@ -344,24 +371,42 @@ def nsys_sqlite(path, plan: dict, n_kernels: int, ddl: dict | None = None, seed:
     con.close()
 
 
-def kineto_trace(plan: dict, stage: int, rank: int | None = None, t0_us: float = 1_000_000.0) -> dict:
+def kineto_trace(plan: dict, stage: int, rank: int | None = None, t0_us: float = 1_000_000.0, *,
+                 kernels_per_task: int = 1, kernel_shift_us: dict | None = None,
+                 kernel_lane: dict | None = None) -> dict:
     """A PyTorch-profiler (Kineto) JSON of one rank's ideal run of ``plan``'s ``stage``: one
     ``user_annotation`` range per task on its lane's thread, one ``cuda_runtime`` launch inside it
-    and one ``kernel`` on the lane's stream, joined by correlation id."""
+    and one ``kernel`` on the lane's stream, joined by correlation id.
+
+    ``kernels_per_task=K`` launches K kernels per task (in [0.2, 0.8] of its range; ep /
+    collective kernels named like NCCL kernels, offload lanes' as ``gpu_memcpy`` when K > 1),
+    ``kernel_shift_us`` {task id: µs} moves a task's GPU events (not its launches) and
+    ``kernel_lane`` {task id: lane} puts them on another lane's stream."""
     ev: list[dict] = []
     corr = 0
     st = next(s for s in plan["stages"] if s["stage"] == stage)
+    k = int(kernels_per_task)
     for lane in plan["lanes"]:
         tid = lane_tid(lane)
         for t in st["lanes"].get(lane, []):
             ts, dur = t["start_us"] + t0_us, t["end_us"] - t["start_us"]
-            corr += 1
             ev.append({"ph": "X", "cat": "user_annotation", "name": t["id"], "pid": 1, "tid": tid, "ts": ts,
                        "dur": dur})
-            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
-                       "ts": ts + dur * 0.1, "dur": dur * 0.05, "args": {"correlation": corr}})
-            ev.append({"ph": "X", "cat": "kernel", "name": "gemm_kernel", "pid": 0, "tid": 7 + LANES.index(lane),
-                       "ts": ts + dur * 0.2, "dur": dur * 0.5,
-                       "args": {"correlation": corr, "stream": 7 + LANES.index(lane), "device": 0}})
+            shift = (kernel_shift_us or {}).get(t["id"], 0.0)
+            stream = 7 + LANES.index((kernel_lane or {}).get(t["id"], lane))
+            part = 0.6 * dur / k
+            for i in range(k):
+                corr += 1
+                cat, name = "kernel", "gemm_kernel"
+                if k > 1 and lane in ("ep", "collective"):
+                    name = "ncclDevKernel_SendRecv"
+                elif k > 1 and lane.startswith("offload"):
+                    cat, name = "gpu_memcpy", "Memcpy DtoH (Device -> Pinned)"
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": tid,
+                           "ts": ts + dur * 0.1 + i * 0.05 * dur / k, "dur": dur * 0.05 / k,
+                           "args": {"correlation": corr}})
+                ev.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream,
+                           "ts": ts + dur * 0.2 + i * part + shift, "dur": part * 5 / 6,
+                           "args": {"correlation": corr, "stream": stream, "device": 0}})
     return {"schemaVersion": 1, "distributedInfo": {"rank": stage if rank is None else rank},
             "traceEvents": ev, "displayTimeUnit": "ms"}

@@ -27,6 +27,23 @@ Violation types, each with (type, task_id, rank, detail, magnitude_us):
   checked here, not under ``dependency``.
 - ``collective_order``: on the ep and collective lanes, ranks of one stage run their tasks in
   different orders (a deadlock on a real communicator).
+
+[Note: device timeline]
+A GPU event (kind kernel, nccl, memcpy, memset) belongs to the instance whose task id is its
+``parent`` (the range enclosing its launch, [Note: kernel projection] in traces/nsys.py, Kineto's
+correlation in traces/chrome.py) on the same rank; GPU events starting at or after the host start
+of that task's next instance (a repeated step) are not the first instance's. An instance's device
+span is [first GPU start, last GPU end]. A (rank, lane) whose instances all have GPU events is
+checked on the device clock: ``order`` and ``collective_order`` on device starts, the overlap and
+busy metrics on device spans; otherwise the whole (rank, lane) falls back to its host ranges. A
+``dependency`` / ``onload_before_offload`` pair is compared on device times when both ends are,
+else on host times (one clock per comparison). Each (rank, lane) with GPU events maps to one
+stream, the stream most of its instances ran on (the majority stream of each instance's events);
+two lanes on one stream is ``lane_mapping``, an instance with GPU events on another lane's stream
+is ``wrong_lane`` (magnitude: those events' time). Streams that are no lane's (e.g. a library's
+internal stream) are only counted (``metrics.device.unmapped_stream_events``). The report's
+``clock`` is ``device`` (every instance on the device clock), ``host`` (none) or ``mixed``, with
+``metrics.clock_counts``; ``validate(..., clock="host")`` ignores GPU events.
 """
 
 from __future__ import annotations
@@ -66,6 +83,9 @@ class Report:
     conforms: bool
     violations: list[Violation] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    clock: str = "host"
+    """The clock the checks ran on: ``device`` (every matched instance on its GPU events),
+    ``host`` (none: no GPU events joined, or ``clock="host"``) or ``mixed``."""
 
     def by_type(self, type_: str) -> list[Violation]:
         return [v for v in self.violations if v.type == type_]
@@ -73,7 +93,7 @@ class Report:
     def to_json(self) -> dict:
         """The report document (``k3sched.validation/1``), checked against its schema
         (``traces.schema.ValidationReport``): a report that does not follow it is a bug here."""
-        doc = {"format": "k3sched.validation/1", "conforms": self.conforms,
+        doc = {"format": "k3sched.validation/1", "conforms": self.conforms, "clock": self.clock,
                "violations": [_jsonable(asdict(v)) for v in self.violations], "metrics": _jsonable(self.metrics)}
         check_report(doc)
         return doc
@@ -228,11 +248,15 @@ def _lis_mask(seq: np.ndarray) -> np.ndarray:
 # ---- validation ------------------------------------------------------------------------
 
 def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, cross_rank_clocks: bool = False,
-             only_traced_stages: bool = False) -> Report:
+             only_traced_stages: bool = False, clock: str = "auto") -> Report:
     """Validate ``events`` (an EventTable, or a list of them) against ``plan`` (a plan.json
     dict, checked against its schema here, or an already checked :class:`traces.schema.Plan`);
     see [Note: validation rules]. ``only_traced_stages``: do not report stages no rank
-    ran as missing (validating a subset of the ranks)."""
+    ran as missing (validating a subset of the ranks). ``clock``: ``"auto"`` checks a task on
+    its GPU events where it has some ([Note: device timeline]), ``"host"`` only on its host
+    ranges (the GPU events are ignored)."""
+    if clock not in ("auto", "host"):
+        raise ValueError(f"clock must be 'auto' or 'host', not {clock!r}")
     if isinstance(events, (list, tuple)):
         events = EventTable.concat(list(events))
     P = _index_plan(plan)
@@ -272,7 +296,11 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
     first = np.ones(len(o), dtype=bool)
     first[1:] = (rank[1:] != rank[:-1]) | (task[1:] != task[:-1])
     repeats = int((~first).sum())
+    next_start = np.full(len(o), np.inf)  # host start of the same (rank, task)'s next instance
+    next_start[:-1] = np.where(first[1:], np.inf, start[1:])
     rank, task, tid, start, end = rank[first], task[first], tid[first], start[first], end[first]
+    next_start = next_start[first]
+    hstart, hend = start, end
     lane = P.lane[task] if len(task) else np.empty(0, np.int64)
     stage = P.stage[task] if len(task) else np.empty(0, np.int64)
 
@@ -315,6 +343,20 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
                                    f"{P.start[t]:.1f}-{P.end[t]:.1f} us, not found in the trace",
                                    float(P.end[t] - P.start[t])))
 
+    # -- the device timeline ([Note: device timeline]): each instance's GPU span, and the clock
+    # its (rank, lane) is checked on; start / end below are on that clock
+    D = _project_device(events, P, rank, task, next_start) if clock == "auto" else None
+    on_dev = np.zeros(len(task), bool)
+    if D is not None and D.has.any():
+        grp = rank.astype(np.int64) * len(P.lanes) + lane
+        ug, ginv = np.unique(grp, return_inverse=True)
+        all_dev = np.ones(len(ug), bool)
+        np.logical_and.at(all_dev, ginv, D.has)
+        on_dev = all_dev[ginv]
+        start, end = np.where(on_dev, D.start, hstart), np.where(on_dev, D.end, hend)
+    n_dev = int(on_dev.sum())
+    used_clock = "device" if n_dev and n_dev == len(task) else ("mixed" if n_dev else "host")
+
     # -- alignment: measured time of rank r - offset[r] is on the plan's clock
     offset = {r: float(np.median(start[rank == r] - P.start[task[rank == r]])) for r in ranks.tolist()}
 
@@ -350,6 +392,9 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
                                        f"ran on tid {tid[i]}, which is no lane's; lane {P.lanes[lane[i]]} runs on "
                                        f"tid {want}", float(end[i] - start[i])))
 
+    # -- lane -> stream mapping and tasks whose GPU events ran on another lane's stream
+    dev_metrics = _check_streams(P, D, rank, task, lane, ranks.tolist(), V) if D is not None else {}
+
     # -- order within each (rank, lane)
     for (r, li) in sorted(lane_tid):
         m = np.nonzero((rank == r) & (lane == li))[0]
@@ -370,7 +415,8 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
                 nxt = [j for j in range(k + 1, len(m)) if pos[j] < pos[k]]
                 why = f"started before {P.ids[task[m[nxt[0]]]]}, which is planned before it" if nxt else "out of order"
             V.append(Violation("order", P.ids[task[i]], r,
-                               f"lane {P.lanes[li]}: ran #{k} (planned #{pos[k]}), {why}; measured start "
+                               f"lane {P.lanes[li]}{' on device' if on_dev[i] else ''}: ran #{k} (planned "
+                               f"#{pos[k]}), {why}; measured start "
                                f"{start[i] - offset[r]:.1f} us, planned {P.start[task[i]]:.1f} us",
                                float(abs(start[i] - offset[r] - P.start[task[i]]))))
 
@@ -403,24 +449,31 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
     recv_pair = np.array([P.kind[prod] in RECV_OF.get(P.kind[int(task[c])], ())
                           for c, prod in zip(cons.tolist(), prod_task.tolist())], dtype=bool) if len(cons) \
         else np.zeros(0, bool)
+    # a pair is compared on the device clock when both ends are on it, else on the host clock
+    pc = np.maximum(pi, 0)
+    both = on_dev[cons] & on_dev[pc] if len(cons) else np.zeros(0, bool)
+    cs, ce = np.where(both, start[cons], hstart[cons]), np.where(both, end[cons], hend[cons])
+    ps, pe = np.where(both, start[pc], hstart[pc]), np.where(both, end[pc], hend[pc])
     late = np.zeros(len(cons), bool)
     plain = valid & ~recv_pair
-    late[plain] = start[cons[plain]] < end[pi[plain]] - tolerance_us
+    late[plain] = cs[plain] < pe[plain] - tolerance_us
     rv = valid & recv_pair
     late_recv = np.zeros(len(cons), bool)
-    late_recv[rv] = end[cons[rv]] < start[pi[rv]] - tolerance_us
+    late_recv[rv] = ce[rv] < ps[rv] - tolerance_us
     for c in np.nonzero(late_recv)[0].tolist():
         ci, p = cons[c], pi[c]
+        on = " on device" if both[c] else ""
         V.append(Violation("dependency", P.ids[task[ci]], int(rank[ci]),
-                           f"receive ended {start[p] - end[ci]:.1f} us before its send {P.ids[task[p]]} (rank "
-                           f"{rank[p]}) started (end {end[ci] - offset[int(rank[ci])]:.1f} us, send start "
-                           f"{start[p] - offset[int(rank[p])]:.1f} us)", float(start[p] - end[ci])))
+                           f"receive ended{on} {ps[c] - ce[c]:.1f} us before its send {P.ids[task[p]]} (rank "
+                           f"{rank[p]}) started (end {ce[c] - offset[int(rank[ci])]:.1f} us, send start "
+                           f"{ps[c] - offset[int(rank[p])]:.1f} us)", float(ps[c] - ce[c])))
     for c in np.nonzero(late)[0].tolist():
         ci, p = cons[c], pi[c]
+        on = " on device" if both[c] else ""
         V.append(Violation("dependency", P.ids[task[ci]], int(rank[ci]),
-                           f"started {end[p] - start[ci]:.1f} us before its producer {P.ids[task[p]]} (rank "
-                           f"{rank[p]}) ended (start {start[ci] - offset[int(rank[ci])]:.1f} us, producer end "
-                           f"{end[p] - offset[int(rank[p])]:.1f} us)", float(end[p] - start[ci])))
+                           f"started{on} {pe[c] - cs[c]:.1f} us before its producer {P.ids[task[p]]} (rank "
+                           f"{rank[p]}) ended (start {cs[c] - offset[int(rank[ci])]:.1f} us, producer end "
+                           f"{pe[c] - offset[int(rank[p])]:.1f} us)", float(pe[c] - cs[c])))
     n_onload_checked = 0
     for on_t, off_t in P.onload_pairs.tolist():
         for r in ranks_of_stage.get(int(P.stage[on_t]), []):
@@ -428,11 +481,13 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
             if a < 0 or b < 0:
                 continue
             n_onload_checked += 1
-            if start[a] < end[b] - tolerance_us:
+            dv = bool(on_dev[a] and on_dev[b])
+            sa, eb = (start[a], end[b]) if dv else (hstart[a], hend[b])
+            if sa < eb - tolerance_us:
                 V.append(Violation("onload_before_offload", P.ids[on_t], r,
-                                   f"started {end[b] - start[a]:.1f} us before {P.ids[off_t]} ended (onload start "
-                                   f"{start[a] - offset[r]:.1f} us, offload end {end[b] - offset[r]:.1f} us)",
-                                   float(end[b] - start[a])))
+                                   f"started{' on device' if dv else ''} {eb - sa:.1f} us before {P.ids[off_t]} "
+                                   f"ended (onload start {sa - offset[r]:.1f} us, offload end {eb - offset[r]:.1f} us)",
+                                   float(eb - sa)))
 
     # -- collective order across the ranks of a stage
     comm_li = [P.lanes.index(ln) for ln in COMM_LANES if ln in P.lanes]
@@ -461,10 +516,12 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
     metrics.update({"tolerance_us": tolerance_us, "planned_tasks": n_tasks, "matched_instances": int(len(task)),
                     "repeated_instances": repeats, "ranks": len(ranks), "stage_of_rank": stage_of_rank,
                     "cross_rank_deps_skipped": skipped, "onload_pairs_checked": n_onload_checked,
+                    "clock": used_clock, "clock_counts": {"device": n_dev, "host": int(len(task)) - n_dev},
+                    "device": dev_metrics,
                     "violation_counts": {t: sum(v.type == t for v in V) for t in _TYPE_ORDER
                                          if any(v.type == t for v in V)}})
     V.sort(key=lambda v: (-v.magnitude_us, _TYPE_ORDER.index(v.type), v.rank, v.task_id or ""))
-    return Report(conforms=not V, violations=V, metrics=metrics)
+    return Report(conforms=not V, violations=V, metrics=metrics, clock=used_clock)
 
 
 def _metrics(P: _Plan, rank, task, lane, start, end, ranks, stage_of_rank, stages) -> dict:
@@ -502,6 +559,116 @@ def _metrics(P: _Plan, rank, task, lane, start, end, ranks, stage_of_rank, stage
             "planned_by_stage": planned, "measured_by_rank": measured, "duration_ratio_by_kind": dev}
 
 
+# ---- device timeline -------------------------------------------------------------------
+
+_GPU_KINDS = ("kernel", "nccl", "memcpy", "memset")
+
+
+@dataclass
+class _Device:
+    has: np.ndarray       # per instance: it has GPU events
+    start: np.ndarray     # per instance: first GPU event's start (inf when none)
+    end: np.ndarray       # per instance: last GPU event's end (-inf when none)
+    stream: np.ndarray    # per instance: the stream most of its GPU events ran on (-1 when none)
+    count: np.ndarray     # per instance: its GPU events
+    ev_inst: np.ndarray   # per joined GPU event: its instance
+    ev_stream: np.ndarray
+    ev_dur: np.ndarray
+    n_gpu: int            # GPU events in the table
+    n_unjoined: int       # GPU events whose parent is no matched instance (no task range, or another rank's)
+
+
+def _project_device(events: EventTable, P: _Plan, rank, task, next_start) -> _Device:
+    """Join GPU events to the matched instances by (rank, parent task id); see [Note: device
+    timeline]."""
+    n, nt = len(task), max(len(P.ids), 1)
+    gi = np.nonzero(np.isin(events.kind, _GPU_KINDS))[0]
+    n_gpu = len(gi)
+    if len(gi):
+        names, inv = np.unique(events.parent[gi].astype(str), return_inverse=True)
+        t_of = np.array([P.index.get(x, -1) for x in names.tolist()], np.int64)
+        et = t_of[inv]
+    else:
+        et = np.empty(0, np.int64)
+    key = rank.astype(np.int64) * nt + task
+    ko = np.argsort(key, kind="stable")
+    sk = key[ko]
+    q = events.rank[gi].astype(np.int64) * nt + et
+    inst = np.full(len(gi), -1, np.int64)
+    if len(sk) and len(q):
+        pos = np.clip(np.searchsorted(sk, q), 0, len(sk) - 1)
+        inst = np.where((et >= 0) & (sk[pos] == q), ko[pos], -1)
+    es, ee = events.start_us[gi], events.end_us[gi]
+    ok = inst >= 0
+    ok[ok] = es[ok] < next_start[inst[ok]]  # a repeated instance's GPU work is not the first's
+    inst, es, ee, st = inst[ok], es[ok], ee[ok], events.tid[gi][ok]
+    dstart, dend = np.full(n, np.inf), np.full(n, -np.inf)
+    np.minimum.at(dstart, inst, es)
+    np.maximum.at(dend, inst, ee)
+    count = np.bincount(inst, minlength=n)
+    stream = np.full(n, -1, np.int64)
+    if len(inst):
+        o = np.lexsort((st, inst))
+        si, ss = inst[o], st[o]
+        new = np.ones(len(o), bool)
+        new[1:] = (si[1:] != si[:-1]) | (ss[1:] != ss[:-1])
+        b = np.nonzero(new)[0]
+        run_n = np.diff(np.append(b, len(o)))
+        ri, rs = si[b], ss[b]
+        best = np.lexsort((-run_n, ri))  # per instance: most events first (ties: lowest stream)
+        firsts = np.ones(len(best), bool)
+        firsts[1:] = ri[best][1:] != ri[best][:-1]
+        stream[ri[best][firsts]] = rs[best][firsts]
+    return _Device(count > 0, dstart, dend, stream, count, inst, st, ee - es, n_gpu, n_gpu - len(inst))
+
+
+def _check_streams(P: _Plan, D: _Device, rank, task, lane, ranks, V: list) -> dict:
+    """Map each (rank, lane) to one stream (the stream most of its instances ran on, like the
+    thread mapping) and report instances whose GPU events ran on another lane's stream."""
+    lane_stream: dict[tuple[int, int], int] = {}
+    owner: dict[int, dict[int, int]] = {}
+    for r in ranks:
+        m = (rank == r) & D.has
+        taken: dict[int, int] = {}
+        lanes_here = np.unique(lane[m])
+        sizes = [(-int(np.sum(lane[m] == li)), int(li)) for li in lanes_here.tolist()]
+        for _, li in sorted(sizes):
+            ml = m & (lane == li)
+            sts, cnt = np.unique(D.stream[ml], return_counts=True)
+            first_pos = np.array([P.pos[task[ml & (D.stream == x)]].min() for x in sts.tolist()])
+            cand = sorted(range(len(sts)), key=lambda k: (-cnt[k], int(sts[k]) in taken, first_pos[k]))
+            best = int(sts[cand[0]])
+            if best in taken:
+                V.append(Violation("lane_mapping", None, r, f"lanes {P.lanes[taken[best]]} and {P.lanes[li]} both "
+                                   f"run their GPU work on stream {best}", 0.0))
+            else:
+                taken[best] = li
+            lane_stream[(r, li)] = best
+        owner[r] = taken
+    ev_r = rank[D.ev_inst].astype(np.int64)
+    ev_lane = lane[D.ev_inst]
+    want = np.array([lane_stream.get((int(r), int(li)), -1) for r, li in zip(ev_r.tolist(), ev_lane.tolist())],
+                    np.int64) if len(ev_r) else np.empty(0, np.int64)
+    pairs, pinv = np.unique(np.stack([ev_r, D.ev_stream.astype(np.int64)]), axis=1, return_inverse=True)         if len(ev_r) else (np.empty((2, 0), np.int64), np.empty(0, np.int64))
+    pown = np.array([owner.get(int(r), {}).get(int(s), -1) for r, s in pairs.T.tolist()], np.int64)
+    ev_owner = pown[np.ravel(pinv)] if len(ev_r) else np.empty(0, np.int64)
+    wrong = (ev_owner >= 0) & (D.ev_stream != want)
+    for i in np.unique(D.ev_inst[wrong]).tolist():
+        w = wrong & (D.ev_inst == i)
+        s0 = int(D.ev_stream[w][0])
+        li = int(lane[i])
+        V.append(Violation("wrong_lane", P.ids[task[i]], int(rank[i]),
+                           f"{int(w.sum())} of its {int(D.count[i])} GPU events ran on stream {s0} (lane "
+                           f"{P.lanes[int(ev_owner[w][0])]}), planned lane {P.lanes[li]} (stream "
+                           f"{lane_stream.get((int(rank[i]), li))})", float(D.ev_dur[w].sum())))
+    by_rank: dict = {}
+    for (r, li), s in sorted(lane_stream.items()):
+        by_rank.setdefault(r, {})[P.lanes[li]] = s
+    return {"gpu_events": D.n_gpu, "joined_events": int(len(D.ev_inst)), "unjoined_events": D.n_unjoined,
+            "instances_with_gpu_events": int(D.has.sum()), "lane_stream": by_rank,
+            "wrong_stream_events": int(wrong.sum()), "unmapped_stream_events": int((ev_owner < 0).sum())}
+
+
 # ---- output ----------------------------------------------------------------------------
 
 def _jsonable(x):
@@ -528,6 +695,10 @@ def _render(rep: Report, max_violations: int) -> str:
              + ("" if rep.conforms else " (" + ", ".join(f"{n} {t}" for t, n in counts.items()) + ")"),
              f"plan: {m.get('planned_tasks')} tasks; trace: {m.get('ranks')} ranks, {m.get('matched_instances')} "
              f"task instances matched (tolerance {m.get('tolerance_us')} us)"]
+    cc = m.get("clock_counts") or {}
+    if m.get("clock"):
+        lines.append(f"clock: {m['clock']} ({cc.get('device', 0)} task instances checked on their GPU events, "
+                     f"{cc.get('host', 0)} on host ranges)")
     if m.get("cross_rank_deps_skipped"):
         lines.append(f"note: {m['cross_rank_deps_skipped']} cross-rank dependencies not compared (clocks of "
                      f"different ranks not declared comparable)")
