@@ -373,9 +373,9 @@ def case_kineto(rnd: random.Random) -> Case:
     else:
         ev = b.kineto["traceEvents"]
         i = rnd.randrange(len(ev))
-        fields = ("ph", "ts", "dur", "pid", "tid", "args")  # read from every event the reader reads
+        fields = ("ph", "ts", "pid", "tid", "args")  # read from every event the reader reads
         if ev[i].get("cat") != "cuda_runtime":
-            fields += ("name",)  # a launch's name is not read; a range's or a kernel's is
+            fields += ("name", "dur")  # a launch's name and duration are not read; a range's or a kernel's are
         doc, garbage, what = mutate_doc(
             rnd, b.kineto, string_ok=lambda p: p[-1] in ("pid", "tid"),  # Kineto writes "stream 7" and the like
             strict=lambda p: (p[0] == "traceEvents" and (len(p) == 2 or (len(p) == 3 and p[2] in fields)))
