@@ -10,17 +10,27 @@ activation memory except activation offload (local or remote), whose lanes move 
 * ``h0`` = earliest start (DAG head) of any of its compute tasks, ``hB`` = earliest head of any
   of its backward (I or W) compute tasks: before ``hB`` its compute lane can only run forwards;
 * ``H`` = budget - static device bytes of the stage (weights, gradients, optimizer state);
-* ``rho`` = the smallest allocation per µs of compute among its forward tasks that allocate, ``Z``
-  the total duration of its forward tasks that allocate nothing;
 * ``O`` = bytes the stage's offload lanes can move in ``[h0, hB]`` (0 when offload is off).
 
-Forward work X done in ``[h0, hB]`` has allocated at least ``rho * (X - Z)`` bytes (a task that
-straddles ``hB`` allocated its whole share at its start), of which at most ``O`` left the device,
-so ``X <= Z + (H + O) / rho`` and also ``X <= `` the forward work that can start before ``hB``.
+The forward tasks that start in ``[h0, hB]`` have allocated their saved bytes at their start, at
+most ``H + O`` of which can be on the device at ``hB`` or have left it, and each contributes at
+most ``min(duration, hB - head)`` of work to the window. So the forward work X in the window is at
+most the optimum of the fractional knapsack (the LP relaxation: value = that work, weight = its
+allocation, capacity ``H + O``), solved greedily by allocation per µs, and at most ``hB - h0``.
 The compute lane is therefore idle for at least ``(hB - h0) - X_max`` inside ``[h0, hB]``; all of
 its work lies in ``[h0, T]`` and the last task is followed by at least the smallest tail of the
-stage's compute tasks, so ``T >= h0 + busy + idle + min_tail``. The bound is the largest of these
-over stages and ``lower_bound_us``. Every step in the argument drops constraints (EP, P2P and
+stage's compute tasks, so ``T >= h0 + busy + idle + min_tail``.
+
+Round trips (offload off): a micro-batch holds all A bytes it allocates on stage r (its forward
+tasks there, send buffers aside) from the start of the last of them, a, until the end of the
+first task of its backward there that frees device bytes, f, which allocates its own output at its
+start; that *core* [start(a), start(f)] lasts at least the longest DAG path from a's start to f's
+start within the micro-batch. Where K+1 cores overlap they all overlap at the earliest of their
+ends start(f), when the stage holds (K+1) A + alloc(f): so at most K = (budget - static -
+alloc(f)) // A overlap, the cores split into K chains of disjoint intervals (interval graphs are
+perfect) and one chain holds ceil(M/K) of them: ``T >= head(a) + ceil(M/K) core + dur(f) +
+tail(f)`` (minima over the candidates for f: the freeing tasks no other freeing task precedes).
+The bound is the largest of all these over stages and ``lower_bound_us``. Every step in the argument drops constraints (EP, P2P and
 send-buffer allocations, the shared copy links, host capacity), so it stays a lower bound on any
 schedule that meets the budget; recompute and FP8 storage enter through the saved bytes the cost
 model gives each forward task. ``tests/test_bound.py`` checks it against CP-SAT optima with the
@@ -82,16 +92,80 @@ def stage_memory_bounds(g: StepGraph, budget_bytes: int | None = None, paths: tu
         min_tail = min(tail[t.id] for t in ts)
         fwd = [t for t in ts if g.unit[t.id][1] == "F" and head[t.id] < hB]
         avail = sum(min(t.duration_us, hB - head[t.id]) for t in fwd)
-        zero = sum(t.duration_us for t in fwd if t.alloc.device <= 0)
-        rhos = [t.alloc.device / t.duration_us for t in fwd if t.alloc.device > 0 and t.duration_us > 0]
         room = max(0, budget - g.static_device[s])
-        moved = rate * max(0.0, hB - h0)
-        x_mem = zero + (room + moved) / min(rhos) if rhos else float("inf")
+        cap = room + rate * max(0.0, hB - h0)
+        # fractional knapsack (the LP relaxation): most forward work whose allocations fit in cap
+        x_mem = 0.0
+        for t in sorted(fwd, key=lambda t: t.alloc.device / max(min(t.duration_us, hB - head[t.id]), 1e-12)):
+            value = min(t.duration_us, hB - head[t.id])
+            if t.alloc.device <= cap:
+                cap -= t.alloc.device
+                x_mem += value
+            else:
+                x_mem += value * cap / t.alloc.device
+                break
         x_max = min(avail, x_mem, hB - h0)
         idle = max(0.0, (hB - h0) - x_max)
         out.append({"stage": s, "t_us": h0 + busy + idle + min_tail, "first_start_us": h0,
                     "first_backward_us": hB, "busy_us": busy, "warmup_idle_us": idle,
                     "max_forward_us": x_max, "memory_limited": x_mem < min(avail, hB - h0)})
+    return out
+
+
+def _core_bounds(g: StepGraph, budget: int, head: dict, tail: dict) -> list[float]:
+    """Per stage the round-trip bound of [Note: memory-aware lower bound] (offload off only)."""
+    tasks = g.tasks
+    pp, M = g.cfg.parallel.pp, g.cfg.parallel.microbatches
+    by_mb: dict[int, list[str]] = defaultdict(list)
+    for tid, t in tasks.items():
+        if t.mb is not None and t.mb >= 0:
+            by_mb[t.mb].append(tid)
+    succ: dict[str, list[str]] = defaultdict(list)
+    for tid, t in tasks.items():
+        for d in t.deps:
+            succ[d].append(tid)
+    out = [0.0] * pp
+    groups: dict[int, list[int]] = defaultdict(list)  # route start vstage -> its micro-batches
+    for m in sorted(by_mb):
+        groups[g.unit[by_mb[m][0]][0]].append(m)
+    per_stage: dict[int, list[tuple[float, float, float, int, int, int]]] = defaultdict(list)
+    for same in groups.values():
+        m = same[0]  # micro-batches of one route have the same tasks, durations and allocations
+        ids = by_mb[m]
+        for s in range(pp):
+            allocs = [tid for tid in ids if tasks[tid].stage == s and g.unit[tid][1] == "F"
+                      and tasks[tid].alloc.device > 0 and tasks[tid].kind is not Kind.FWD_SEND]
+            frees = [tid for tid in ids if tasks[tid].stage == s and g.unit[tid][1] != "F" and tasks[tid].free.device > 0]
+            if not allocs or not frees:
+                continue
+            a = max(allocs, key=lambda tid: head[tid])
+            dist = {a: 0.0}  # longest path from a's start, within this micro-batch's tasks
+            for tid in ids[ids.index(a):]:
+                if tid not in dist:
+                    continue
+                e = dist[tid] + tasks[tid].duration_us
+                for j in succ[tid]:
+                    if tasks[j].mb == m and dist.get(j, -1.0) < e:
+                        dist[j] = e
+            # the first freeing task is one that no other freeing task of the stage precedes
+            fset, after = set(frees), set()
+            for tid in ids:
+                if any(d in after or d in fset for d in tasks[tid].deps):
+                    after.add(tid)
+            firsts = [f for f in frees if f not in after and f in dist]
+            if firsts:
+                per_stage[s].append((min(dist[f] for f in firsts), head[a],
+                                     min(tasks[f].duration_us + tail[f] for f in firsts),
+                                     sum(tasks[t].alloc.device for t in allocs), len(same),
+                                     min(tasks[f].alloc.device for f in firsts)))
+    for s, items in per_stage.items():
+        room = max(0, budget - g.static_device[s])
+        length = min(it[0] for it in items)
+        nbytes = min(it[3] for it in items)
+        count = sum(it[4] for it in items)
+        k = max(1, (room - min(it[5] for it in items)) // nbytes) if nbytes else count
+        rounds = -(-count // k)
+        out[s] = min(it[1] for it in items) + rounds * length + min(it[2] for it in items)
     return out
 
 
@@ -104,7 +178,15 @@ def memory_lower_bound_us(g: StepGraph, budget_bytes: int | None = None, lb: flo
 
     if lb is None:
         lb = lower_bound_us(g)[0]
-    return max([lb] + [st["t_us"] for st in stage_memory_bounds(g, budget_bytes, paths)])
+    stages = stage_memory_bounds(g, budget_bytes, paths)
+    best = max([lb] + [st["t_us"] for st in stages])
+    if _offload_rate(g) == 0.0:
+        from .planner import path_bounds
+
+        _, head, tail = paths if paths is not None else path_bounds(g)
+        budget = g.cfg.budget_bytes if budget_bytes is None else budget_bytes
+        best = max([best] + _core_bounds(g, budget, head, tail))
+    return best
 
 
 # -- where the gap goes ------------------------------------------------------------------------

@@ -243,6 +243,13 @@ def gate_violations(pairs: Sequence[tuple[str, str]], starts: dict, tol: float =
     return [(u, t) for u, t in pairs if starts[u] > starts[t] + tol]
 
 
+@dataclass
+class _Starts:
+    """Integer starts of a schedule built here (a hint)."""
+
+    starts: dict[str, int]
+
+
 Hint = Union["Plan", ExactResult]
 
 
@@ -338,8 +345,17 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
                     return False
         return True
 
+    if budget_bytes is not None:  # one micro-batch at a time: feasible whenever one fits
+        order = sorted(tasks, key=lambda t: (tasks[t].mb if tasks[t].mb is not None else 1 << 30, g.topo[t]))
+        seq, now = {}, 0
+        for tid in order:
+            seq[tid] = now
+            now += dur[tid]
+        hints.append(_Starts(seq))
     for hp in hints:
-        if isinstance(hp, ExactResult):
+        if isinstance(hp, _Starts):
+            h = dict(hp.starts)
+        elif isinstance(hp, ExactResult):
             h = dict(hp.starts_int) if hp.scale == scale and set(hp.starts_int) == set(tasks) else None
         else:
             h = _retime(g, dur, hp)
