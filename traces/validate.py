@@ -584,12 +584,9 @@ def _project_device(events: EventTable, P: _Plan, rank, task, next_start) -> _De
     n, nt = len(task), max(len(P.ids), 1)
     gi = np.nonzero(np.isin(events.kind, _GPU_KINDS))[0]
     n_gpu = len(gi)
-    if len(gi):
-        names, inv = np.unique(events.parent[gi].astype(str), return_inverse=True)
-        t_of = np.array([P.index.get(x, -1) for x in names.tolist()], np.int64)
-        et = t_of[inv]
-    else:
-        et = np.empty(0, np.int64)
+    get = P.index.get  # parents repeat a few strings: a dict lookup each beats sorting them
+    et = np.fromiter((get(x, -1) if isinstance(x, str) else -1 for x in events.parent[gi].tolist()), np.int64,
+                     len(gi))
     key = rank.astype(np.int64) * nt + task
     ko = np.argsort(key, kind="stable")
     sk = key[ko]
@@ -646,11 +643,15 @@ def _check_streams(P: _Plan, D: _Device, rank, task, lane, ranks, V: list) -> di
             lane_stream[(r, li)] = best
         owner[r] = taken
     ev_r = rank[D.ev_inst].astype(np.int64)
-    ev_lane = lane[D.ev_inst]
-    want = np.array([lane_stream.get((int(r), int(li)), -1) for r, li in zip(ev_r.tolist(), ev_lane.tolist())],
-                    np.int64) if len(ev_r) else np.empty(0, np.int64)
-    pairs, pinv = np.unique(np.stack([ev_r, D.ev_stream.astype(np.int64)]), axis=1, return_inverse=True)         if len(ev_r) else (np.empty((2, 0), np.int64), np.empty(0, np.int64))
-    pown = np.array([owner.get(int(r), {}).get(int(s), -1) for r, s in pairs.T.tolist()], np.int64)
+    inst_want = np.array([lane_stream.get((int(r), int(li)), -1) for r, li in zip(rank.tolist(), lane.tolist())],
+                         np.int64)
+    want = inst_want[D.ev_inst] if len(ev_r) else np.empty(0, np.int64)
+    # the lane owning each event's (rank, stream): via the few distinct (rank, stream) pairs
+    us, sinv = np.unique(D.ev_stream, return_inverse=True)
+    ur, rinv = np.unique(ev_r, return_inverse=True)
+    ns = max(len(us), 1)
+    pk, pinv = np.unique(np.ravel(rinv).astype(np.int64) * ns + np.ravel(sinv), return_inverse=True)
+    pown = np.array([owner.get(int(ur[k // ns]), {}).get(int(us[k % ns]), -1) for k in pk.tolist()], np.int64)
     ev_owner = pown[np.ravel(pinv)] if len(ev_r) else np.empty(0, np.int64)
     wrong = (ev_owner >= 0) & (D.ev_stream != want)
     for i in np.unique(D.ev_inst[wrong]).tolist():
