@@ -174,3 +174,20 @@ def test_overlap_metrics_on_device_times(tmp_path):
     assert b_dev < b_host
     assert b_host == pytest.approx(sum(x["end_us"] - x["start_us"] for x in TASK.values()
                                        if x["stage"] == 0 and x["lane"] == "compute"))
+
+
+def test_repeated_steps_keep_each_instance_own_gpu_events(tmp_path):
+    # two steps of one rank: the second step's kernels are not folded into the first's span
+    from traces.events import EventTable
+
+    tabs = []
+    for k, t0 in enumerate((1_000_000.0, 1_010_000.0)):
+        p = tmp_path / f"step{k}.json"
+        p.write_text(json.dumps(synth.kineto_trace(PLAN, 0, kernels_per_task=2, t0_us=t0)))
+        tabs.append(read_trace(p))
+    rep = validate(PLAN, EventTable.concat(tabs), only_traced_stages=True)
+    n0 = sum(t["stage"] == 0 for t in TASK.values())
+    assert rep.conforms and rep.clock == "device", rep.render()
+    assert rep.metrics["repeated_instances"] == n0
+    assert rep.metrics["device"]["joined_events"] == 2 * n0
+    assert rep.metrics["step_time_us"]["measured"] < 10_000
