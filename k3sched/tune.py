@@ -585,6 +585,11 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
         console.print(line, highlight=False)
     elif megatron is not None:
         console.print(f"Megatron default: not planned ({megatron.error})", highlight=False)
+    own = next((r for r in tuner.results if r.phase == "config"), None)
+    if own is not None and best is not None:
+        console.print(f"the config as given: " + (f"{own.step_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
+                                                  f"tuned {own.step_us / best.step_us:.3f}x faster" if own.ok
+                                                  else f"not planned ({own.error})"), highlight=False)
     if best is None:
         console.print(f"no plan fits {budget:g} GiB", highlight=False)
     else:

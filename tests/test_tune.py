@@ -70,6 +70,7 @@ def test_tune_command_writes_best_and_front(tmp_path) -> None:
     assert rc == 0
     text = console.export_text()
     assert "Pareto front" in text and "Megatron default" in text and "faster" in text
+    assert "the config as given" in text
     assert max(len(line) for line in text.splitlines()) <= 120
     doc = json.loads((tmp_path / "tune.json").read_text())
     assert doc["format"] == "k3sched.tune/1" and doc["front"] and doc["best"]
