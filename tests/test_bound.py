@@ -23,6 +23,8 @@ from k3sched.planner import lower_bound_us, plan
 from conftest import CONFIGS
 
 # (pp, microbatches, layers, dense layers, ep)
+# (CP-SAT proves these optimal within the deterministic limit; pp2-m4-moe and pp4-m4-dense were
+# checked once by hand against the schedules CP-SAT found, FEASIBLE in 3 minutes: too slow here)
 INSTANCES = {"pp2-m3-dense": (2, 3, 2, 2, 1), "pp3-m3-dense": (3, 3, 3, 3, 1)}
 ROOMS = (1.5, 1.8, 2.5)  # budget = largest static bytes + this many of the largest micro-batch's forward sets
 
