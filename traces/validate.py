@@ -40,8 +40,10 @@ busy metrics on device spans; otherwise the whole (rank, lane) falls back to its
 else on host times (one clock per comparison). Each (rank, lane) with GPU events maps to one
 stream, the stream most of its instances ran on (the majority stream of each instance's events);
 two lanes on one stream is ``lane_mapping``, an instance with GPU events on another lane's stream
-is ``wrong_lane`` (magnitude: those events' time). Streams that are no lane's (e.g. a library's
-internal stream) are only counted (``metrics.device.unmapped_stream_events``). The report's
+is ``wrong_lane`` (magnitude: those events' time). NCCL kernels time their task but are not
+stream-checked: ProcessGroupNCCL runs them on the communicator's internal stream, not on the
+launching lane's (a lane whose tasks only launch NCCL kernels has no stream in the mapping).
+Streams that are no lane's are only counted (``metrics.device.unmapped_stream_events``). The report's
 ``clock`` is ``device`` (every instance on the device clock), ``host`` (none) or ``mixed``, with
 ``metrics.clock_counts``; ``validate(..., clock="host")`` ignores GPU events.
 """
@@ -570,10 +572,11 @@ class _Device:
     start: np.ndarray     # per instance: first GPU event's start (inf when none)
     end: np.ndarray       # per instance: last GPU event's end (-inf when none)
     stream: np.ndarray    # per instance: the stream most of its GPU events ran on (-1 when none)
-    count: np.ndarray     # per instance: its GPU events
+    scount: np.ndarray    # per instance: its stream-checked GPU events (all but NCCL kernels)
     ev_inst: np.ndarray   # per joined GPU event: its instance
     ev_stream: np.ndarray
     ev_dur: np.ndarray
+    ev_nccl: np.ndarray   # per joined GPU event: an NCCL kernel (not stream-checked)
     n_gpu: int            # GPU events in the table
     n_unjoined: int       # GPU events whose parent is no matched instance (no task range, or another rank's)
 
@@ -599,14 +602,16 @@ def _project_device(events: EventTable, P: _Plan, rank, task, next_start) -> _De
     ok = inst >= 0
     ok[ok] = es[ok] < next_start[inst[ok]]  # a repeated instance's GPU work is not the first's
     inst, es, ee, st = inst[ok], es[ok], ee[ok], events.tid[gi][ok]
+    nccl = events.kind[gi][ok] == "nccl"  # on the communicator's stream, not the lane's: not stream-checked
     dstart, dend = np.full(n, np.inf), np.full(n, -np.inf)
     np.minimum.at(dstart, inst, es)
     np.maximum.at(dend, inst, ee)
     count = np.bincount(inst, minlength=n)
+    scount = np.bincount(inst[~nccl], minlength=n)
     stream = np.full(n, -1, np.int64)
-    if len(inst):
-        o = np.lexsort((st, inst))
-        si, ss = inst[o], st[o]
+    if (~nccl).any():
+        o = np.lexsort((st[~nccl], inst[~nccl]))
+        si, ss = inst[~nccl][o], st[~nccl][o]
         new = np.ones(len(o), bool)
         new[1:] = (si[1:] != si[:-1]) | (ss[1:] != ss[:-1])
         b = np.nonzero(new)[0]
@@ -616,7 +621,7 @@ def _project_device(events: EventTable, P: _Plan, rank, task, next_start) -> _De
         firsts = np.ones(len(best), bool)
         firsts[1:] = ri[best][1:] != ri[best][:-1]
         stream[ri[best][firsts]] = rs[best][firsts]
-    return _Device(count > 0, dstart, dend, stream, count, inst, st, ee - es, n_gpu, n_gpu - len(inst))
+    return _Device(count > 0, dstart, dend, stream, scount, inst, st, ee - es, nccl, n_gpu, n_gpu - len(inst))
 
 
 def _check_streams(P: _Plan, D: _Device, rank, task, lane, ranks, V: list) -> dict:
@@ -625,7 +630,7 @@ def _check_streams(P: _Plan, D: _Device, rank, task, lane, ranks, V: list) -> di
     lane_stream: dict[tuple[int, int], int] = {}
     owner: dict[int, dict[int, int]] = {}
     for r in ranks:
-        m = (rank == r) & D.has
+        m = (rank == r) & (D.scount > 0)
         taken: dict[int, int] = {}
         lanes_here = np.unique(lane[m])
         sizes = [(-int(np.sum(lane[m] == li)), int(li)) for li in lanes_here.tolist()]
@@ -653,13 +658,13 @@ def _check_streams(P: _Plan, D: _Device, rank, task, lane, ranks, V: list) -> di
     pk, pinv = np.unique(np.ravel(rinv).astype(np.int64) * ns + np.ravel(sinv), return_inverse=True)
     pown = np.array([owner.get(int(ur[k // ns]), {}).get(int(us[k % ns]), -1) for k in pk.tolist()], np.int64)
     ev_owner = pown[np.ravel(pinv)] if len(ev_r) else np.empty(0, np.int64)
-    wrong = (ev_owner >= 0) & (D.ev_stream != want)
+    wrong = (ev_owner >= 0) & (D.ev_stream != want) & ~D.ev_nccl
     for i in np.unique(D.ev_inst[wrong]).tolist():
         w = wrong & (D.ev_inst == i)
         s0 = int(D.ev_stream[w][0])
         li = int(lane[i])
         V.append(Violation("wrong_lane", P.ids[task[i]], int(rank[i]),
-                           f"{int(w.sum())} of its {int(D.count[i])} GPU events ran on stream {s0} (lane "
+                           f"{int(w.sum())} of its {int(D.scount[i])} GPU events ran on stream {s0} (lane "
                            f"{P.lanes[int(ev_owner[w][0])]}), planned lane {P.lanes[li]} (stream "
                            f"{lane_stream.get((int(rank[i]), li))})", float(D.ev_dur[w].sum())))
     by_rank: dict = {}
@@ -667,7 +672,8 @@ def _check_streams(P: _Plan, D: _Device, rank, task, lane, ranks, V: list) -> di
         by_rank.setdefault(r, {})[P.lanes[li]] = s
     return {"gpu_events": D.n_gpu, "joined_events": int(len(D.ev_inst)), "unjoined_events": D.n_unjoined,
             "instances_with_gpu_events": int(D.has.sum()), "lane_stream": by_rank,
-            "wrong_stream_events": int(wrong.sum()), "unmapped_stream_events": int((ev_owner < 0).sum())}
+            "wrong_stream_events": int(wrong.sum()), "unmapped_stream_events": int(((ev_owner < 0) & ~D.ev_nccl).sum()),
+            "nccl_events_not_stream_checked": int(D.ev_nccl.sum())}
 
 
 # ---- output ----------------------------------------------------------------------------
