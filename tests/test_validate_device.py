@@ -202,3 +202,16 @@ def test_repeated_steps_keep_each_instance_own_gpu_events(tmp_path):
     assert rep.metrics["repeated_instances"] == n0
     assert rep.metrics["device"]["joined_events"] == 2 * n0
     assert rep.metrics["step_time_us"]["measured"] < 10_000
+
+
+def test_report_schema_clock(tmp_path):
+    from traces.schema import SchemaError, check_report
+
+    t, _ = _trace(tmp_path, "kineto")
+    doc = validate(PLAN, t).to_json()
+    old = {k: v for k, v in doc.items() if k != "clock"}  # a report written before the field
+    assert check_report(old).clock is None
+    with pytest.raises(SchemaError, match="clock"):
+        check_report({**doc, "clock": "host"})
+    with pytest.raises(SchemaError, match="clock"):
+        check_report({**doc, "clock": "gpu"})

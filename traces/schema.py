@@ -368,6 +368,8 @@ def check_report(doc, where: str = "validation report") -> ValidationReport:
     if rep.conforms != (not rep.violations):
         _fail(SchemaError, where, "conforms", f"must be {not rep.violations} with {len(rep.violations)} "
               "violation(s)", rep.conforms)
+    if rep.clock is not None and rep.metrics.clock is not None and rep.clock != rep.metrics.clock:
+        _fail(SchemaError, where, "clock", f"must be metrics.clock ({rep.metrics.clock!r})", rep.clock)
     return rep
 
 
