@@ -247,12 +247,14 @@ class _Builder:
             a = self.add(Kind.ATTN_FWD, v, "F", m, layer=L, deps=prev, alloc=self.fwd_alloc(Kind.ATTN_FWD))
             if model.is_moe(L):
                 r = self.add(Kind.ROUTER_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.ROUTER_FWD))
-                d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r], nbytes=self.cost.a2a_bytes(),
+                d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r],
+                             nbytes=self.cost.a2a_bytes(Kind.DISPATCH_FWD),
                              alloc=self.fwd_alloc(Kind.DISPATCH_FWD), duration=self.dur(Kind.DISPATCH_FWD))
                 e = self.add(Kind.EXPERT_FWD, v, "F", m, layer=L, deps=[d], alloc=self.fwd_alloc(Kind.EXPERT_FWD))
                 sh = self.add(Kind.SHARED_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.SHARED_FWD))
                 # combine adds the shared expert's output into the layer output it returns
-                c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e, sh], nbytes=self.cost.a2a_bytes(),
+                c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e, sh],
+                             nbytes=self.cost.a2a_bytes(Kind.COMBINE_FWD),
                              alloc=self.fwd_alloc(Kind.COMBINE_FWD), duration=self.dur(Kind.COMBINE_FWD))
                 prev = [c, sh]
                 kinds = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD,
@@ -337,8 +339,8 @@ class _Builder:
             W = lambda k, deps, free: wg.setdefault((m, L), []).append(  # noqa: E731
                 self.add(k, v, "W", m, layer=L, deps=deps, free=Mem(device=free)))
             if model.is_moe(L):
-                cb = self.add(Kind.COMBINE_BWD, v, "I", m, layer=L, deps=ups, nbytes=cost.a2a_bytes(),
-                              duration=self.dur(Kind.COMBINE_BWD))
+                cb = self.add(Kind.COMBINE_BWD, v, "I", m, layer=L, deps=ups,
+                              nbytes=cost.a2a_bytes(Kind.COMBINE_BWD), duration=self.dur(Kind.COMBINE_BWD))
                 first_bwd[L] = cb
                 sdx = self.add(Kind.SHARED_DX, v, "I", m, layer=L, deps=ups,
                                free=Mem(device=sv[Kind.SHARED_FWD][1]), alloc=Mem(device=dx_alloc(Kind.SHARED_DX)))
@@ -348,13 +350,14 @@ class _Builder:
                     # EP-DR: re-run the dispatch to rebuild the expert input that expert.dw needs;
                     # it runs on the ep lane while the expert backward computes.
                     disp_bytes = cost.T * model.top_k * model.hidden * cost.b
-                    wdeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups, nbytes=cost.a2a_bytes(),
+                    wdeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups,
+                                          nbytes=cost.a2a_bytes(Kind.DISPATCH_RE),
                                           alloc=Mem(device=disp_bytes), duration=self.dur(Kind.DISPATCH_RE)))
                 edx = self.add(Kind.EXPERT_DX, v, "I", m, layer=L, deps=[cb],
                                free=Mem(device=sv[Kind.EXPERT_FWD][1] + sv[Kind.COMBINE_FWD][1]),
                                alloc=Mem(device=dx_alloc(Kind.EXPERT_DX)))
-                db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx], nbytes=cost.a2a_bytes(),
-                              duration=self.dur(Kind.DISPATCH_BWD))
+                db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx],
+                              nbytes=cost.a2a_bytes(Kind.DISPATCH_BWD), duration=self.dur(Kind.DISPATCH_BWD))
                 rb = self.add(Kind.ROUTER_BWD, v, "I", m, layer=L, deps=[db, sdx], free=Mem(device=sum(sv[Kind.ROUTER_FWD])))
                 adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb],
                                free=Mem(device=sv[Kind.ATTN_FWD][1]), alloc=Mem(device=dx_alloc(Kind.ATTN_DX)))

@@ -85,3 +85,19 @@ def test_dsv3_like_runs_as_deepseek_did() -> None:
     cfg = load_config(DSV3)
     assert cfg.model.max_route_nodes == 4 and cfg.schedule.fp8_dispatch
     assert CostModel(cfg).a2a_us(Kind.DISPATCH_FWD) < _cost().a2a_us(Kind.DISPATCH_FWD) / 3
+
+
+def test_plan_tasks_carry_each_all_to_all_kinds_own_bytes() -> None:
+    """The bytes a dispatch task moves in the plan are its kind's (FP8 under fp8_dispatch), not
+    the combine's (model dtype): calibration and the validator read them."""
+    from k3sched.planner import plan
+
+    p = plan(load_config(TINY, ["schedule.fp8_dispatch=true"]))
+    cost = CostModel(p.cfg)
+    seen = {}
+    for t in p.tasks.values():
+        if t.kind in (Kind.DISPATCH_FWD, Kind.COMBINE_FWD, Kind.COMBINE_BWD, Kind.DISPATCH_BWD):
+            seen.setdefault(t.kind, set()).add(t.bytes)
+    assert seen[Kind.DISPATCH_FWD] == {cost.a2a_bytes(Kind.DISPATCH_FWD)}
+    assert seen[Kind.COMBINE_FWD] == {cost.a2a_bytes(Kind.COMBINE_FWD)}
+    assert cost.a2a_bytes(Kind.DISPATCH_FWD) < cost.a2a_bytes(Kind.COMBINE_FWD)
