@@ -84,21 +84,9 @@ def _on_named_path(e: OSError, named: list[str]) -> str | None:
 
 def internal_error(exc: BaseException) -> int:
     """One line naming the exception and a file with its traceback (in ``$TMPDIR``); 3."""
-    import tempfile
-    import time
-    import traceback
+    from traces.cli import crash_report
 
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    try:
-        fd, name = tempfile.mkstemp(prefix=f"k3sched-crash-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
-        with os.fdopen(fd, "w") as f:
-            f.write("k3sched " + " ".join(sys.argv[1:]) + "\n")
-            traceback.print_exception(type(exc), exc, exc.__traceback__, file=f)
-        where = f"traceback in {name}"
-    except OSError as e:
-        where = f"the traceback could not be written ({e.strerror})"
-    _say_error(f"internal error (a bug, not your input): {what}; {where}")
+    _say_error(crash_report(exc, "k3sched"))
     return 3
 
 
@@ -407,6 +395,8 @@ def validate(
                                                        "synchronised): also check dependencies across ranks."),
     skip_bad_events: bool = typer.Option(False, help="Drop malformed trace events (their count is said on "
                                                      "stderr) instead of refusing the file."),
+    clock: str = typer.Option("auto", help="auto: check a lane on its GPU events' device times when every task "
+                                           "of it has some, else on host ranges; host: host ranges only."),
 ) -> None:
     """Check recorded traces against a plan; exit 0 conforms, 1 does not, 2 unreadable input or a
     bad option, 3 an internal error."""
@@ -416,7 +406,8 @@ def validate(
 
     raise typer.Exit(validate_main(str(plan_path), [str(t) for t in traces],
                                    json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us,
-                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events))
+                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events,
+                                   clock=clock))
 
 
 @command()

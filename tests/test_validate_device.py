@@ -215,3 +215,19 @@ def test_report_schema_clock(tmp_path):
         check_report({**doc, "clock": "host"})
     with pytest.raises(SchemaError, match="clock"):
         check_report({**doc, "clock": "gpu"})
+
+
+def test_cli_clock_option(tmp_path):
+    """``k3sched validate --clock host`` checks host ranges only (the device fault passes, exit 0);
+    the default catches it (exit 1); a bad value is one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from k3sched.cli import app
+
+    _, paths = _trace(tmp_path, "nsys", kernel_shift_us=_swap_shift(EXPERT_DW1, ATTN_DW1))
+    args = ["validate", "--plan", _plan_file(tmp_path), *map(str, paths)]
+    assert CliRunner().invoke(app, args + ["--clock", "host"]).exit_code == 0
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1 and "on device" in res.output
+    res = CliRunner().invoke(app, args + ["--clock", "gpu"])
+    assert res.exit_code == 2 and "--clock" in res.output

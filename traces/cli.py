@@ -80,13 +80,16 @@ def read_trace_files(paths, *, skip_bad_events: bool = False, prog: str = PROG) 
 
 def validate_main(plan_path, trace_paths, json_out=None, tolerance_us: float = DEFAULT_TOLERANCE_US, *,
                   cross_rank_clocks: bool = False, only_traced_stages: bool = False, out=None,
-                  skip_bad_events: bool = False) -> int:
+                  skip_bad_events: bool = False, clock: str = "auto") -> int:
     """Validate trace files (nsys .sqlite, runtime or Kineto .json / .json.gz, auto-detected)
     against a plan file; print the report; write its JSON to ``json_out`` if given. Returns the
     exit code (0 conforms, 1 does not, 2 unreadable input or a bad argument; checked before any
     work: the plan against its schema, ``json_out`` writable, ``tolerance_us`` finite and >= 0).
     Anything else raised is a bug (the CLIs' boundary turns it into exit 3)."""
     out = out or sys.stdout
+    if clock not in ("auto", "host"):
+        _err(f"--clock: must be auto (device times where a lane's tasks have GPU events) or host; got {clock!r}")
+        return 2
     if isinstance(tolerance_us, bool) or not isinstance(tolerance_us, (int, float)) \
             or not math.isfinite(tolerance_us) or tolerance_us < 0:
         _err(f"--tolerance-us: must be a finite number of microseconds >= 0; got {tolerance_us}")
@@ -103,7 +106,7 @@ def validate_main(plan_path, trace_paths, json_out=None, tolerance_us: float = D
         _err(str(e))
         return 2
     report = validate(plan, events, tolerance_us, cross_rank_clocks=cross_rank_clocks,
-                      only_traced_stages=only_traced_stages)
+                      only_traced_stages=only_traced_stages, clock=clock)
     doc = report.to_json()  # checked against the report schema
     print(report.render(), file=out)
     if json_out:
@@ -121,14 +124,15 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def internal_error(exc: BaseException, prog: str = PROG) -> int:
-    """Report an unexpected exception (a bug) as one line naming a file with its traceback;
-    returns exit code 3."""
+def crash_report(exc: BaseException, prog: str) -> str:
+    """Write ``exc``'s traceback (with the command line) to ``$TMPDIR/k3sched-crash-*.txt``;
+    return the one-line report of an internal error (a bug). Both command lines use it."""
     import tempfile
     import time
     import traceback
 
-    what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     try:
         fd, name = tempfile.mkstemp(prefix=f"k3sched-crash-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
         with os.fdopen(fd, "w") as f:
@@ -137,7 +141,13 @@ def internal_error(exc: BaseException, prog: str = PROG) -> int:
         where = f"traceback in {name}"
     except OSError as e:
         where = f"the traceback could not be written ({e.strerror})"
-    print(f"{prog}: internal error (a bug, not your input): {what}; {where}", file=sys.stderr)
+    return f"internal error (a bug, not your input): {what}; {where}"
+
+
+def internal_error(exc: BaseException, prog: str = PROG) -> int:
+    """Report an unexpected exception (a bug) as one line naming a file with its traceback;
+    returns exit code 3."""
+    print(f"{prog}: {crash_report(exc, prog)}", file=sys.stderr)
     return 3
 
 
@@ -151,12 +161,15 @@ def main(argv=None) -> int:
                     help="ranks share one clock: also check dependencies across ranks")
     ap.add_argument("--only-traced-stages", action="store_true",
                     help="do not report stages that no given trace ran")
+    ap.add_argument("--clock", choices=("auto", "host"), default="auto",
+                    help="auto: device times for lanes whose tasks all have GPU events; host: host ranges only")
     ap.add_argument("--skip-bad-events", action="store_true",
                     help="drop malformed trace events (their count is said on stderr) instead of refusing the file")
     a = ap.parse_args(argv)
     try:
         return validate_main(a.plan, a.traces, a.json_out, a.tolerance_us, cross_rank_clocks=a.cross_rank_clocks,
-                             only_traced_stages=a.only_traced_stages, skip_bad_events=a.skip_bad_events)
+                             only_traced_stages=a.only_traced_stages, skip_bad_events=a.skip_bad_events,
+                             clock=a.clock)
     except KeyboardInterrupt:
         return 130
     except OSError as e:  # a user-named file that went away or cannot be read mid-run
