@@ -272,6 +272,6 @@ def format_gap_report(plan: "Plan") -> str:
              + (f", memory-aware bound {mlb / 1e3:.3f} ms ({step / mlb:.3f}x)" if mlb else ""),
              "compute idle per stage, % of the step: " + ", ".join(CAUSES)]
     for st in rep["stages"]:
-        cells = " ".join(f"{100 * st[c] / step:5.1f}" for c in CAUSES)
+        cells = " ".join(f"{max(0.0, 100 * st[c] / step):5.1f}" for c in CAUSES)  # no "-0.0" from rounding
         lines.append(f"  stage {st['stage']:>3}: idle {100 * st['idle_us'] / step:5.1f}% = {cells}")
     return "\n".join(lines)

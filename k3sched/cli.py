@@ -216,6 +216,9 @@ def plan(
                                                   "timeline.png into this directory."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE (repeatable)."),
     timeline: bool = typer.Option(False, help="Print the ASCII timeline."),
+    gap: bool = typer.Option(False, help="Print where each stage's compute idle time goes (warm-up / cool-down, "
+                                         "P2P, exposed EP, exposed collective, WGrad placement, offload, waiting "
+                                         "on another stage) against the memory-aware bound (k3sched/bound.py)."),
     torch_csv: Optional[Path] = typer.Option(None, help="Also write the compute order as a torch.distributed."
                                                         "pipelining action CSV."),
     from_torch_csv: Optional[Path] = typer.Option(None, help="Plan with this torch pipelining CSV as backbone."),
@@ -257,6 +260,10 @@ def plan(
         from .render import ascii_timeline
 
         print(ascii_timeline(p, 120))
+    if gap:
+        from .bound import format_gap_report
+
+        print(format_gap_report(p))
     if out is not None:
         for path in write_outputs(p, out):
             console.print(f"wrote {path}", highlight=False)
