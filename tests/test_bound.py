@@ -10,6 +10,7 @@ that is the optimum.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -93,3 +94,15 @@ def test_plan_reports_memory_bound_and_gap_causes():
         assert causes == pytest.approx(st["idle_us"], abs=1.0)  # every idle µs has a cause
     text = format_gap_report(p)
     assert "memory-aware bound" in text and "stage   0" in text
+
+
+def test_plan_gap_option_prints_each_stage():
+    from typer.testing import CliRunner
+
+    from k3sched.cli import app
+
+    res = CliRunner().invoke(app, ["plan", str(Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"),
+                                   "--gap"])
+    assert res.exit_code == 0, res.output
+    assert "memory-aware bound" in res.output and "stage   0: idle" in res.output and "stage   1: idle" in res.output
+    assert "-0.0" not in res.output
