@@ -109,6 +109,11 @@ def gpu_env(out: Path) -> dict:
     return {**NCCL_ENV, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out).resolve() / "nccl_trace_rank_")}
 
 
+# Schedules the planner plans but the runtime does not execute, and why (one line each).
+PLANNED_ONLY = {"dualpipe": "(bidirectional: two model copies per rank) is planned, not run: the runtime holds one "
+                            "copy per stage; run dualpipev, its one-copy V-shaped form"}
+
+
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
     """Validate before launching; returns (cfg, plan doc) or raises ValueError (one line)."""
     from k3sched.config import ConfigError, load_config
@@ -121,6 +126,8 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
         cfg = load_config(config_path, overrides)
     except ConfigError as e:
         raise ValueError(str(e)) from None
+    if cfg.schedule.pipeline in PLANNED_ONLY:
+        raise ValueError(f"schedule.pipeline: {cfg.schedule.pipeline} {PLANNED_ONLY[cfg.schedule.pipeline]}")
     world = cfg.parallel.world
     if nproc is not None and nproc != world:
         p = cfg.parallel

@@ -23,6 +23,7 @@ from k3sched.p2pcheck import COMM_POLICIES, P2PDeadlock, analyse, check_plan
 from k3sched.planner import plan
 from k3sched.render import plan_to_json
 from k3sched.schedules import GENERATORS
+from runtime.launch import PLANNED_ONLY
 
 from conftest import CONFIGS, ROOT
 
@@ -272,7 +273,9 @@ def test_p2p_edges():
 
 # -- distributed: every schedule in strict mode ---------------------------------------------------
 
-RUNTIME_SCHEDULES = sorted(GENERATORS)  # every generated schedule runs (tiny shapes, PP 2)
+# every generated schedule the runtime executes (tiny shapes, PP 2); dualpipe is planned only
+# (runtime.launch.PLANNED_ONLY: `k3sched run` refuses it in one line, tested below)
+RUNTIME_SCHEDULES = sorted(set(GENERATORS) - set(PLANNED_ONLY))
 LIMIT_S = 240.0
 
 
@@ -323,3 +326,13 @@ def test_k3sched_run_strict_end_to_end(tmp_path):
     assert rc == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["p2p"] == "strict" and s["pipeline"] == "zb-v" and len(s["losses"]) == 1
+
+
+def test_run_refuses_a_planned_only_schedule_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from k3sched.cli import app
+
+    res = CliRunner().invoke(app, ["run", str(TINY), "--out", str(tmp_path / "o"), "--set",
+                                   "schedule.pipeline=dualpipe", "--set", "parallel.vpp=1"])
+    assert res.exit_code == 2 and "dualpipe" in res.output and "planned, not run" in res.output, res.output
