@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -677,14 +676,26 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     return dur
 
 
+BISECTION_TASKS = 60_000  # tasks the infeasible-budget bisection may plan in all (about 3 s here)
+
+
+def _bisection_plans(cfg: Config) -> int:
+    """Bisection plans of :func:`_infeasible_message`: 5 for small configs, fewer as plans grow
+    (tiny-cpu: 5; K2-like, 38k tasks: 1), by task count."""
+    from .limits import count_tasks
+
+    return max(0, min(5, BISECTION_TASKS // max(1, count_tasks(cfg).total)))
+
+
 def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], best_peak: list[int],
                         policy: str) -> str:
     """One line: which stage misses the budget and the smallest budget that plans.
 
     The smallest peak seen while searching is a first candidate; it is confirmed by planning with
     it (raised while it does not plan), then a bisection between the failing budget and the
-    confirmed one narrows it (to 1 MiB or 1%, at most 5 more plans started within 3 s). The value
-    printed is a budget that was planned."""
+    confirmed one narrows it (to 1 MiB or 1%, at most :func:`_bisection_plans` more plans: a count
+    fixed by the config, not a wall-clock limit, so the message is the same on a loaded machine).
+    The value printed is a budget that was planned."""
     budget = cfg.budget_bytes
     s = max(range(len(peaks)), key=lambda i: peaks[i] - budget)
     ceil_gib = lambda b: math.ceil(b / GiB * 1000) / 1000  # noqa: E731 - printed with 3 decimals
@@ -710,9 +721,8 @@ def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], 
         return (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
                 f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; no budget up to {need / GiB:.3f} GiB plans")
     lo = budget / GiB  # known not to plan
-    deadline = time.perf_counter() + 3.0
-    for _ in range(5):  # bisection: at most 5 more plans, started within 3 s
-        if hi - lo <= max(0.001, 0.01 * hi) or time.perf_counter() > deadline:
+    for _ in range(_bisection_plans(cfg)):
+        if hi - lo <= max(0.001, 0.01 * hi):
             break
         mid = ceil_gib((lo + hi) / 2 * GiB)
         if mid >= hi:
