@@ -274,7 +274,10 @@ def _local(overrides: list[str], *, strategy: str | None = None, steps: int = 1,
     ("k3", ["parallel.microbatches=2", "schedule.act_quant=fp8", "schedule.dispatch_recompute=true",
             "schedule.recompute=true"]),
     ("k3", ["parallel.microbatches=2", "schedule.grad_offload=true"]),
-], ids=["k3", "serial-offload-all", "offload-all-fp8", "fp8-kept-recompute", "grad-offload"])
+    ("k3", ["parallel.microbatches=2", "schedule.offload=none"]),
+    ("serial", ["parallel.microbatches=2"]),
+], ids=["k3", "serial-offload-all", "offload-all-fp8", "fp8-kept-recompute", "grad-offload", "offload-none",
+        "serial"])  # offload auto (the config's), none, all here; remote on PP2xEP2 below
 def test_one_rank_steps_are_clean_and_the_detector_changes_no_number(strategy, overrides):
     losses, grads, reports = _local(overrides, strategy=strategy, steps=2)
     for rep in reports:
