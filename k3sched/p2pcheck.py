@@ -136,9 +136,12 @@ def _local_start_deps(v: _View) -> None:
                 t.start_deps = [d for d in start.get(t.id, ()) if d.startswith(prefix)]
 
 
-def _token_order(lanes: Mapping[str, list[_T]], deps: Mapping[str, tuple[str, ...]]) -> list[str]:
-    """The executor's token order over ``lanes`` (runtime.executor.serial_order, same ties:
-    planned start, end, lane, position)."""
+def linear_extension(lanes: Mapping[str, list], deps: Mapping[str, tuple[str, ...]]) -> tuple[list[str], str | None]:
+    """One order of every task of a stage that keeps each lane's order and every same-stage
+    dependency (``deps`` plus each task's ``start_deps``), earliest planned start first; ties by
+    planned (start, end), then lane, then position. This is the token order of a ``serial`` run
+    and of shared links ([Note: serial execution] in runtime/executor.py, which calls it).
+    Returns (order, None), or (the order so far, a task on a cycle) when the precedences cycle."""
     import heapq
 
     pos = {t.id: (li, i) for li, lane in enumerate(LANES) for i, t in enumerate(lanes.get(lane, []))}
@@ -170,7 +173,14 @@ def _token_order(lanes: Mapping[str, list[_T]], deps: Mapping[str, tuple[str, ..
             if left[s] == 0:
                 heapq.heappush(heap, key(s))
     if len(order) != len(task):
-        stuck = min((tid for tid, n in left.items() if n), key=key)
+        return order, min((tid for tid, n in left.items() if n), key=key)
+    return order, None
+
+
+def _token_order(lanes: Mapping[str, list[_T]], deps: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The executor's token order over ``lanes`` (:func:`linear_extension`)."""
+    order, stuck = linear_extension(lanes, deps)
+    if stuck is not None:
         raise P2PDeadlock(f"task {stuck}: its lane order and same-stage dependencies form a cycle")
     return order
 

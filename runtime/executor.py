@@ -213,38 +213,10 @@ def serial_order(lanes: Mapping[str, list[PlanTask]], deps: Mapping[str, tuple[s
     This is the token order of a ``serial`` run ([Note: serial execution]): a linear extension of
     the stage's precedence graph, ties broken by planned (start, end), then lane, then position.
     Raises ValueError naming a task when the precedences form a cycle."""
-    import heapq
+    from k3sched.p2pcheck import linear_extension
 
-    pos = {t.id: (li, i) for li, lane in enumerate(LANES) for i, t in enumerate(lanes.get(lane, []))}
-    task = {t.id: t for ts in lanes.values() for t in ts}
-    preds: dict[str, set[str]] = {tid: set() for tid in task}
-    for ts in lanes.values():
-        for a, b in zip(ts, ts[1:]):
-            preds[b.id].add(a.id)
-    for tid, t in task.items():
-        preds[tid].update(d for d in list(deps.get(tid, ())) + list(t.start_deps) if d in task)
-    succs: dict[str, list[str]] = {tid: [] for tid in task}
-    for tid, ps in preds.items():
-        for d in ps:
-            succs[d].append(tid)
-    left = {tid: len(ps) for tid, ps in preds.items()}
-
-    def key(tid: str) -> tuple:
-        t = task[tid]
-        return (t.start_us, t.end_us, *pos[tid], tid)
-
-    heap = [key(tid) for tid, n in left.items() if n == 0]
-    heapq.heapify(heap)
-    order: list[str] = []
-    while heap:
-        tid = heapq.heappop(heap)[-1]
-        order.append(tid)
-        for s in succs[tid]:
-            left[s] -= 1
-            if left[s] == 0:
-                heapq.heappush(heap, key(s))
-    if len(order) != len(task):
-        stuck = min((tid for tid, n in left.items() if n), key=key)
+    order, stuck = linear_extension(lanes, deps)
+    if stuck is not None:
         raise ValueError(f"task {stuck}: its lane order and dependencies form a cycle; no serial order exists")
     return order
 
