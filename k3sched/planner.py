@@ -578,6 +578,7 @@ class _Attempt:
     lane_orders: dict[tuple[int, str], list[str]]
     memory: dict[tuple[int, str], MemoryTimeline]
     peaks: list[int]
+    skip: frozenset[int] = frozenset()  # offload pairs of the base graph not chosen (fast search)
 
 
 class _Search:
@@ -599,34 +600,35 @@ class _Search:
             self.pair = {k: (idx[format_task_id(k[0], Kind.ACT_OFFLOAD, mb=k[1], layer=k[2])],
                              idx[format_task_id(k[0], Kind.ACT_ONLOAD, mb=k[1], layer=k[2])]) for k in self.all_sets}
 
-    def run(self, chosen: OffloadChoice) -> _Attempt:
-        s = self.cfg.schedule
-        la = 0 if self.serial else s.lookahead
+    def run(self, chosen: OffloadChoice, lookahead: int, wgrad_lag: int) -> _Attempt:
+        """One list schedule with the offload pairs of ``chosen``, at the given look-ahead and
+        WGrad lag (the graph does not depend on them, so one search serves every memory level)."""
+        la = 0 if self.serial else lookahead
         if self.fast:
             g, prep = self.base, self.prep
             skip = frozenset(i for k, pr in self.pair.items() if k not in chosen.local for i in pr)
         else:
             g = build_step(self.cfg, chosen)
             prep, skip = _prepare(g, self.slots), frozenset()
-        lane_orders = _list_schedule(g, prep, self.serial, s.wgrad_lag, la, skip)
+        lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip)
         if not self.serial and self.cost.comm_cpu_ns_per_byte():
             for _ in range(2):  # [Note: CPU cost of communication]: a fixed point in two rounds
                 busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost))
-                lane_orders = _list_schedule(g, busy, self.serial, s.wgrad_lag, la, skip)
+                lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip)
             for tid, d in zip(busy.ids, busy.dur):
                 g.tasks[tid].duration_us = d
         keep = [g.tasks[prep.ids[i]] for i in range(len(prep.ids)) if i not in skip]
         mem = _device_memory(g, keep)
-        self.skip = skip
-        return _Attempt(g, lane_orders, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp))
+        return _Attempt(g, lane_orders, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip)
 
     def finish(self, att: _Attempt) -> StepGraph:
-        """The attempt's graph with skipped offload pairs removed."""
-        if not self.fast or not self.skip:
+        """The attempt's graph with skipped offload pairs removed. Only once: the base graph is
+        changed in place, so the search cannot run again afterwards."""
+        if not self.fast or not att.skip:
             return att.graph
         g, prep = att.graph, self.prep
-        gone = {prep.ids[i] for i in self.skip}
-        for i in self.skip:
+        gone = {prep.ids[i] for i in att.skip}
+        for i in att.skip:
             for j in prep.succ[i]:
                 t = g.tasks[prep.ids[j]]
                 t.deps = [d for d in t.deps if d not in gone]
@@ -687,83 +689,34 @@ def _bisection_plans(cfg: Config) -> int:
     return max(0, min(5, BISECTION_TASKS // max(1, count_tasks(cfg).total)))
 
 
-def _infeasible_message(cfg: Config, strategy: str, schedule, peaks: list[int], best_peak: list[int],
-                        policy: str) -> str:
-    """One line: which stage misses the budget and the smallest budget that plans.
+@dataclass
+class _Outcome:
+    """What meeting one budget at one memory level gave: the last attempt, its offload choice,
+    the smallest peak per stage seen on the way and the peaks before anything was offloaded."""
+    att: _Attempt
+    chosen: OffloadChoice
+    best_peak: list[int]
+    first_peaks: list[int]
+    budget: int
 
-    The smallest peak seen while searching is a first candidate; it is confirmed by planning with
-    it (raised while it does not plan), then a bisection between the failing budget and the
-    confirmed one narrows it (to 1 MiB or 1%, at most :func:`_bisection_plans` more plans: a count
-    fixed by the config, not a wall-clock limit, so the message is the same on a loaded machine).
-    The value printed is a budget that was planned."""
-    budget = cfg.budget_bytes
-    s = max(range(len(peaks)), key=lambda i: peaks[i] - budget)
-    ceil_gib = lambda b: math.ceil(b / GiB * 1000) / 1000  # noqa: E731 - printed with 3 decimals
-
-    def plans(gib: float) -> tuple[bool, int]:
-        trial = cfg.model_copy(deep=True)
-        trial.schedule.device_memory_budget = gib
-        try:
-            _plan(trial, strategy, schedule, confirm=False)
-            return True, 0
-        except InfeasibleBudget as e:
-            return False, int(e.args[1]) if len(e.args) > 1 else 0
-
-    hi, need = None, max(best_peak)
-    for _ in range(3):
-        cand = ceil_gib(need)
-        ok, seen = plans(cand)
-        if ok:
-            hi = cand
-            break
-        need = max(int(cand * GiB * 1.25), seen)
-    if hi is None:
-        return (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
-                f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; no budget up to {need / GiB:.3f} GiB plans")
-    lo = budget / GiB  # known not to plan
-    for _ in range(_bisection_plans(cfg)):
-        if hi - lo <= max(0.001, 0.01 * hi):
-            break
-        mid = ceil_gib((lo + hi) / 2 * GiB)
-        if mid >= hi:
-            break
-        ok, _ = plans(mid)
-        lo, hi = (lo, mid) if ok else (mid, hi)
-    return (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
-            f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'; the smallest feasible budget is {hi:.3f} GiB")
+    @property
+    def over(self) -> list[int]:
+        return [s for s, p in enumerate(self.att.peaks) if p > self.budget]
 
 
-def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
-    """Plan one training step on the backbone ``schedule`` (default: ``schedule.pipeline``).
-    Raises InfeasibleBudget, DeadlockError or ConfigError."""
-    from .limits import check_limits  # cheap up-front refusals (too many tasks, budget below a bound)
-
-    check_limits(cfg)
-    was_enabled = gc.isenabled()
-    gc.disable()  # tens of thousands of small objects, no cycles: the cyclic GC only costs time
-    try:
-        return _plan(cfg, strategy, schedule)
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | None", confirm: bool = True) -> Plan:
-    strategy = strategy or cfg.schedule.strategy
-    if strategy not in ("k3", "serial"):
-        raise ValueError(f"strategy: must be k3 or serial; got {strategy!r}")
-    sched = schedule if schedule is not None else backbone(cfg)
-    ranks = sched.ranks
-    search = _Search(cfg, _slot_index(ranks), strategy == "serial")
-    budget = cfg.budget_bytes
-    policy = cfg.schedule.offload
-    pp = cfg.parallel.pp
+def _meet_budget(search: _Search, budget: int, level: tuple[int, int]) -> _Outcome:
+    """Offload activation sets (policy ``auto``/``remote``; ``all`` offloads every set, ``none``
+    nothing) until every stage's device peak fits ``budget``, at the memory level ``level``
+    (look-ahead, WGrad lag). Stops when the peaks fit, when offloading more no longer lowers them
+    (three attempts without 1% progress), or after 64 attempts."""
+    cfg = search.cfg
+    policy, pp = cfg.schedule.offload, cfg.parallel.pp
     chosen = OffloadChoice(local=set(search.all_sets) if policy == "all" else set())
     best_peak: list[int] | None = None
     first_peaks: list[int] | None = None
     best_excess, stalled = None, 0
     for _ in range(64):
-        att = search.run(chosen)
+        att = search.run(chosen, *level)
         peaks = list(att.peaks)
         if first_peaks is None:
             first_peaks = list(peaks)
@@ -793,24 +746,120 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
                 progressed = True
         if not progressed:
             break
-    over = [s for s in range(pp) if att.peaks[s] > budget]
+    return _Outcome(att, chosen, best_peak, first_peaks, budget)
+
+
+def _memory_levels(cfg: Config, strategy: str) -> list[tuple[int, int]]:
+    """[Note: memory levels] The (look-ahead, WGrad lag) pairs the planner may use to meet a
+    budget, configured first. Deferring WGrad and running ahead both hold memory, so under
+    ``auto``/``remote`` offload the k3 strategy may trade that overlap for memory, a step at a time:
+    halve the WGrad lag down to none, then drop the look-ahead too. The last level is the leanest."""
     sc = cfg.schedule
-    if over and policy in ("auto", "remote") and strategy == "k3" and (sc.lookahead or sc.wgrad_lag):
-        # Deferring WGrad and running ahead both hold memory: trade that overlap for memory, a step
-        # at a time (halve the WGrad lag down to none, then drop the look-ahead too).
-        lag = sc.wgrad_lag // 2
-        la = sc.lookahead if sc.wgrad_lag else 0
-        lean = cfg.model_copy(update={"schedule": sc.model_copy(update={"lookahead": la, "wgrad_lag": lag})})
-        try:
-            p = _plan(lean, strategy, schedule, confirm=False)
-            p.metrics["memory_lean"] = {"lookahead": p.cfg.schedule.lookahead, "wgrad_lag": p.cfg.schedule.wgrad_lag}
-            return p
-        except InfeasibleBudget:
-            pass
-    if over:
+    levels = [(sc.lookahead, sc.wgrad_lag)]
+    if sc.offload in ("auto", "remote") and strategy == "k3":
+        la, lag = levels[0]
+        while la or lag:
+            la, lag = (la if lag else 0), lag // 2
+            levels.append((la, lag))
+    return levels
+
+
+def _infeasible_message(cfg: Config, search: _Search, level: tuple[int, int], out: _Outcome,
+                        best_peak: list[int]) -> str:
+    """One line: which stage misses the budget and the smallest budget that plans.
+
+    Every budget tried here is planned at the leanest memory level ``level`` with the same search
+    (the step graph is built once): a budget that plans there also plans through :func:`plan`,
+    which falls back to that level. The smallest peak seen while searching is a first candidate;
+    it is confirmed by planning with it (raised while it does not plan), then a bisection between
+    the failing budget and the confirmed one narrows it (to 1 MiB or 1%, at most
+    :func:`_bisection_plans` more plans: a count fixed by the config, not a wall-clock limit, so
+    the message is the same on a loaded machine). The value printed is a budget that was planned."""
+    budget, peaks, policy = cfg.budget_bytes, out.att.peaks, cfg.schedule.offload
+    s = max(range(len(peaks)), key=lambda i: peaks[i] - budget)
+    ceil_gib = lambda b: math.ceil(b / GiB * 1000) / 1000  # noqa: E731 - printed with 3 decimals
+    head = (f"schedule.device_memory_budget: {budget / GiB:.3f} GiB is infeasible: stage {s} peaks at "
+            f"{peaks[s] / GiB:.3f} GiB with offload '{policy}'")
+
+    def plans(gib: float) -> tuple[bool, int]:
+        o = _meet_budget(search, int(gib * GiB), level)
+        return not o.over, max(o.best_peak)
+
+    hi, need = None, max(best_peak)
+    for _ in range(3):
+        cand = ceil_gib(need)
+        ok, seen = plans(cand)
+        if ok:
+            hi = cand
+            break
+        need = max(int(cand * GiB * 1.25), seen)
+    if hi is None:
+        return f"{head}; no budget up to {need / GiB:.3f} GiB plans"
+    lo = budget / GiB  # known not to plan
+    for _ in range(_bisection_plans(cfg)):
+        if hi - lo <= max(0.001, 0.01 * hi):
+            break
+        mid = ceil_gib((lo + hi) / 2 * GiB)
+        if mid >= hi:
+            break
+        ok, _ = plans(mid)
+        lo, hi = (lo, mid) if ok else (mid, hi)
+    return f"{head}; the smallest feasible budget is {hi:.3f} GiB"
+
+
+def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
+    """Plan one training step on the backbone ``schedule`` (default: ``schedule.pipeline``).
+    Raises InfeasibleBudget, DeadlockError or ConfigError."""
+    from .limits import check_limits  # cheap up-front refusals (too many tasks, budget below a bound)
+
+    check_limits(cfg)
+    was_enabled = gc.isenabled()
+    gc.disable()  # tens of thousands of small objects, no cycles: the cyclic GC only costs time
+    try:
+        return _plan(cfg, strategy, schedule)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | None", confirm: bool = True) -> Plan:
+    """:func:`plan` without the up-front limits; ``confirm=False`` skips the smallest-budget search
+    of an infeasible budget (the error then carries the smallest peak seen)."""
+    strategy = strategy or cfg.schedule.strategy
+    if strategy not in ("k3", "serial"):
+        raise ValueError(f"strategy: must be k3 or serial; got {strategy!r}")
+    sched = schedule if schedule is not None else backbone(cfg)
+    ranks = sched.ranks
+    search = _Search(cfg, _slot_index(ranks), strategy == "serial")
+    budget = cfg.budget_bytes
+    policy = cfg.schedule.offload
+    levels = _memory_levels(cfg, strategy)
+    out, level = _meet_budget(search, budget, levels[0]), levels[0]
+    best_peak = out.best_peak
+    if out.over and len(levels) > 1:
+        # [Note: memory levels] The leanest level decides feasibility (one search, not one per
+        # level); only when it plans are the levels between tried, least lean first.
+        lean = _meet_budget(search, budget, levels[-1])
+        best_peak = [min(a, b) for a, b in zip(best_peak, lean.best_peak)]
+        if lean.over:
+            out = lean
+        else:
+            out, level = lean, levels[-1]
+            for lv in levels[1:-1]:
+                o = _meet_budget(search, budget, lv)
+                if not o.over:
+                    out, level = o, lv
+                    break
+            if level == levels[-1] and len(levels) > 2:  # the levels between ran on the same graph
+                out.att = search.run(out.chosen, *level)
+    if out.over:
         if not confirm:
             raise InfeasibleBudget("infeasible", max(best_peak))
-        raise InfeasibleBudget(_infeasible_message(cfg, strategy, schedule, att.peaks, best_peak, policy))
+        raise InfeasibleBudget(_infeasible_message(cfg, search, levels[-1], out, best_peak))
+    att, chosen = out.att, out.chosen
+    if level != levels[0]:
+        cfg = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(
+            update={"lookahead": level[0], "wgrad_lag": level[1]})})
     g = search.finish(att)
     metrics = compute_metrics(g, att.memory)
     metrics["peak_device_bytes"] = att.peaks
@@ -818,5 +867,7 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
                                  "total": len(search.all_sets)}
     metrics["budget_bytes"] = budget
     # per-stage peak before the planner offloaded anything (policy auto; None otherwise)
-    metrics["peak_device_bytes_before_offload"] = first_peaks if policy in ("auto", "remote") else None
+    metrics["peak_device_bytes_before_offload"] = out.first_peaks if policy in ("auto", "remote") else None
+    if level != levels[0]:
+        metrics["memory_lean"] = {"lookahead": level[0], "wgrad_lag": level[1]}
     return Plan(cfg, g, strategy, sched.name, att.lane_orders, att.memory, metrics, ranks)

@@ -266,3 +266,29 @@ def test_dualpipe_plans_with_two_parameter_copies():
     assert sum(1 for t in dual.tasks.values() if t.kind is Kind.HEAD_FWD) == 8
     with pytest.raises(ValueError, match="vpp 1"):
         plan(load_config(CONFIGS / "tiny-cpu.yaml", base + ["schedule.pipeline=dualpipe", "parallel.vpp=2"]))
+
+
+def test_memory_levels_share_one_graph_and_the_leanest_decides_feasibility(tiny_cfg, monkeypatch):
+    # [Note: memory levels]: one step graph per plan() call, whatever the levels and budgets tried
+    import k3sched.planner as planner_mod
+
+    tiny_cfg.schedule.lookahead, tiny_cfg.schedule.wgrad_lag = 1, 4
+    assert planner_mod._memory_levels(tiny_cfg, "k3") == [(1, 4), (1, 2), (1, 1), (1, 0), (0, 0)]
+    assert planner_mod._memory_levels(tiny_cfg, "serial") == [(1, 4)]
+    builds = []
+    real = planner_mod.build_step
+    monkeypatch.setattr(planner_mod, "build_step", lambda *a, **k: builds.append(1) or real(*a, **k))
+    tiny_cfg.schedule.device_memory_budget = 0.001
+    with pytest.raises(InfeasibleBudget) as e:
+        plan(tiny_cfg)
+    assert len(builds) == 1
+    smallest = float(str(e.value).split("smallest feasible budget is ")[1].split()[0])
+    tiny_cfg.schedule.device_memory_budget = smallest
+    p = plan(tiny_cfg)  # the budget named plans, at the leanest level or a level between
+    assert max(p.metrics["peak_device_bytes"]) <= p.cfg.budget_bytes
+    level = (p.cfg.schedule.lookahead, p.cfg.schedule.wgrad_lag)
+    assert level != (1, 4) and p.metrics["memory_lean"] == {"lookahead": level[0], "wgrad_lag": level[1]}
+    check_plan_invariants(p, serial=False)
+    # the plan returned is the attempt of its own level (re-run after the levels between)
+    again = planner_mod._plan(tiny_cfg.model_copy(update={"schedule": p.cfg.schedule}), None, None)
+    assert again.metrics["step_time_us"] == pytest.approx(p.metrics["step_time_us"])
