@@ -45,7 +45,9 @@ modeled*: no device budget, no activation lifetimes, so the free optimum may hol
 micro-batch's activations at once (a GPipe-like order with every dW deferred). The free optimum is
 a bound on what any schedule of this DAG can reach, not a memory-feasible plan; the backbone
 optimum keeps the schedule's forward/backward order, which is what bounds memory in practice
-(dW deferral is still unbounded).
+(dW deferral is still unbounded). ``solve_free`` is the free mode with the device budget and the
+storage of every activation set modeled ([Note: exact free-order model]; ``k3sched plan --exact
+--exact-order free``).
 
 [Note: rounding]
 Let D be the real durations and D' = ceil(D * scale) / scale. Starts that are feasible under D'
@@ -61,11 +63,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence, Union
 
 from .config import Config
 from .graph import StepGraph, build_step
+from .tasks import Kind, Mem, Task, format_task_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import Plan
@@ -103,6 +106,11 @@ class ExactResult:
     hints_rejected: int = 0
     starts_int: dict[str, int] = field(default_factory=dict, repr=False)  # CP-SAT's integer starts
     scale: int = 100
+    # solve_free only: the storage chosen per activation set (stage, mb, layer), the scheduled
+    # tasks (base and added, start_us / end_us set, consumers' deps on the added tasks), the budget
+    choices: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    tasks: dict[str, Task] = field(default_factory=dict, repr=False)
+    budget_bytes: int | None = None
 
     @property
     def optimal(self) -> bool:
@@ -473,6 +481,470 @@ def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hi
         "planner_lower_bound_us": float(plan.metrics["lower_bound_us"]),
         "strategy": plan.strategy,
         "pipeline": plan.pipeline,
+        "num_tasks": res.num_tasks,
+        "rounding_us": res.rounding_us,
+        "wall_s": res.wall_s,
+    }
+
+
+# -- free order with memory and activation decisions (OptPipe-style) ---------------------------
+ACT_CHOICES = ("keep", "local", "remote", "recompute")
+_FWD_KINDS = ("attn.fwd", "router.fwd", "dispatch.fwd", "expert.fwd", "shared.fwd", "combine.fwd", "mlp.fwd")
+
+
+def _option_tasks(cfg: Config, g: StepGraph, choices: Sequence[str]
+                  ) -> tuple[dict[tuple[int, int, int], dict[str, list[Task]]], dict[tuple[int, int, int], list[str]]]:
+    """Per activation set (stage, mb, layer) the tasks each non-keep choice adds, and the base tasks
+    that must wait for the choice's last task (the layer's first backward tasks, which wait for an
+    onload in the planner's graph). See [Note: exact free-order model]."""
+    from .cost import CostModel
+    from .graph import OffloadChoice
+
+    pp = cfg.parallel.pp
+    sets = [k for k, b in g.offload_sets.items() if b > 0]
+    gl = build_step(cfg, OffloadChoice(local=set(sets)))
+    remote = {k: k[0] + 1 for k in sets if k[0] + 1 < pp}
+    gr = build_step(cfg, OffloadChoice(remote=remote)) if "remote" in choices and remote else None
+    cost = CostModel(cfg)
+    ckpt = int(cost.T * cfg.model.hidden * cost.b)  # the layer input, kept under recompute
+    fwd: dict[tuple[int, int, int], list[Task]] = {}
+    for t in g.tasks.values():
+        if t.kind.value in _FWD_KINDS and t.mb is not None and t.layer is not None:
+            fwd.setdefault((t.stage, t.mb, t.layer), []).append(t)
+    opts: dict[tuple[int, int, int], dict[str, list[Task]]] = {}
+    consumers: dict[tuple[int, int, int], list[str]] = {}
+    onload_of = {format_task_id(s, Kind.ACT_ONLOAD, mb=m, layer=L): (s, m, L) for s, m, L in sets}
+    for tid, t in gl.tasks.items():
+        for d in t.deps:
+            if d in onload_of:
+                consumers.setdefault(onload_of[d], []).append(tid)
+    for key in sets:
+        s, m, L = key
+        o: dict[str, list[Task]] = {}
+        off = gl.tasks[format_task_id(s, Kind.ACT_OFFLOAD, mb=m, layer=L)]
+        if "local" in choices:
+            o["local"] = [replace(off, deps=list(off.deps)),
+                          replace(gl.tasks[format_task_id(s, Kind.ACT_ONLOAD, mb=m, layer=L)])]
+        if gr is not None and key in remote:
+            peer = remote[key]
+            o["remote"] = [replace(gr.tasks[format_task_id(st, k, mb=m, layer=L)]) for st, k in (
+                (s, Kind.ACT_ROFFLOAD), (peer, Kind.ACT_RSTORE), (peer, Kind.ACT_RSERVE), (s, Kind.ACT_RONLOAD))]
+        if "recompute" in choices:
+            nbytes = max(0, g.offload_sets[key] - ckpt)
+            drop = Task(f"s{s}/mb{m}/L{L}/drop@re", off.kind, "none", s, off.chunk, m, L, 0.0,
+                        deps=list(off.deps), free=Mem(device=nbytes))
+            copies = {f.id: f"{f.id}@re" for f in fwd[key]}
+            re = [drop]
+            for i, f in enumerate(sorted(fwd[key], key=lambda f: g.topo[f.id])):
+                re.append(replace(f, id=copies[f.id], deps=[copies.get(d, d) for d in f.deps] + [f.id, drop.id],
+                                  alloc=Mem(device=nbytes if i == 0 else 0), free=Mem()))
+            o["recompute"] = re
+        opts[key] = o
+    return opts, consumers
+
+
+def _memory_pieces(g: StepGraph) -> dict[int, list[tuple[str, str | None, int, tuple[int, int, int] | None]]] | None:
+    """Each stage's device allocations paired with the frees that return them: [(allocating task,
+    freeing task or None (held to the end of the step), bytes, activation set of the allocating
+    forward task or None)]. A free is paired only with allocations of its ancestors (so the piece's
+    interval has a non-negative length in every schedule), an activation set's bytes only with frees
+    of the same set. None when some free finds no such allocation (then memory is modeled as a
+    reservoir of events). See [Note: memory as a cumulative]."""
+    tasks = g.tasks
+    bit: dict[str, int] = {}
+    for tid, t in tasks.items():
+        if t.alloc.device:
+            bit[tid] = 1 << len(bit)
+    anc: dict[str, int] = {}
+    for tid in sorted(tasks, key=g.topo.__getitem__):
+        x = 0
+        for d in tasks[tid].deps:
+            x |= anc[d] | bit.get(d, 0)
+        anc[tid] = x
+    key_of = {tid: (t.stage, t.mb, t.layer) if t.kind.value in _FWD_KINDS and t.layer is not None else None
+              for tid, t in tasks.items()}
+    left: dict[int, list[list]] = {}
+    for tid in sorted(bit, key=g.topo.__getitem__):
+        t = tasks[tid]
+        left.setdefault(t.stage, []).append([tid, t.alloc.device])
+    out: dict[int, list] = {}
+    for tid in sorted(tasks, key=g.topo.__getitem__):
+        t = tasks[tid]
+        frees = []
+        if t.free.device:
+            frees.append((t.stage, t.free.device))
+        if t.release is not None and t.release[1]:
+            frees.append((t.release[0], t.release[1]))
+        mine = (t.stage, t.mb, t.layer)
+        for st, need in frees:
+            pool = left.get(st, [])
+            # the set's own allocations first, then other non-set ones, earliest first
+            for want_set in (True, False):
+                for slot in pool:
+                    a, rem = slot
+                    if need == 0:
+                        break
+                    if rem == 0 or not (a == tid or anc[tid] & bit[a]):
+                        continue
+                    k = key_of[a]
+                    if (k == mine) != want_set or (k is not None and k != mine):
+                        continue
+                    take = min(rem, need)
+                    slot[1] -= take
+                    need -= take
+                    out.setdefault(st, []).append((a, tid, take, k))
+            if need:
+                return None
+    for st, pool in left.items():
+        for a, rem in pool:
+            if rem:
+                out.setdefault(st, []).append((a, None, rem, key_of[a]))
+    return out
+
+
+def _stretch(plan: "Plan", dur: dict[str, int]) -> dict[str, int]:
+    """Integer starts of ``plan``'s own schedule under the (rounded up) durations ``dur``: a monotone
+    map of its event times (every start and end), so every event keeps its order (ties stay ties)
+    and each task still fits between its start and its end. Dependencies, lanes and the order of
+    allocations and frees (hence the memory levels, which can only fall as ends come earlier) are
+    those of the plan."""
+    times = sorted({x for t in plan.tasks.values() for x in (t.start_us, t.end_us)})
+    pos = {x: i for i, x in enumerate(times)}
+    ending: dict[int, list[str]] = {}
+    for tid, t in plan.tasks.items():
+        ending.setdefault(pos[t.end_us], []).append(tid)
+    at = [0] * len(times)
+    for i in range(len(times)):
+        v = at[i - 1] + 1 if i else 0
+        for tid in ending.get(i, ()):
+            v = max(v, at[pos[plan.tasks[tid].start_us]] + dur[tid])
+        at[i] = v
+    return {tid: at[pos[t.start_us]] for tid, t in plan.tasks.items()}
+
+
+def _last_of(key: tuple[int, int, int], choice: str, tasks: list[Task], g: StepGraph) -> list[str]:
+    """The option tasks the set's consumers wait for: the onload, or the copies of the forward's
+    last tasks (those the offload waits for)."""
+    if choice == "keep":
+        return []
+    if choice != "recompute":
+        return [tasks[-1].id]
+    return [f"{d}@re" for d in tasks[0].deps]
+
+
+def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequence[str] = ACT_CHOICES,
+               hint_plans: "Sequence[Plan]" = (), deterministic_time: float = 5.0, time_limit_s: float = 60.0,
+               workers: int = 1, seed: int = 0, scale: int = 100) -> ExactResult:
+    """Minimise the step time of ``cfg`` with the compute order free, the device memory bounded
+    by ``budget_bytes`` (default ``cfg.budget_bytes``) and each activation set's storage a
+    decision ([Note: exact free-order model]). Stops on CP-SAT's deterministic time
+    (``deterministic_time``, single worker, fixed seed: the result does not depend on machine load;
+    ``time_limit_s`` is only a safety net). ``hint_plans``: heuristic plans of the same config
+    (any backbone on the same placement and offload policy); each one's schedule, re-timed with the
+    rounded durations, is a starting solution when it stays within the budget.
+
+    [Note: exact free-order model]
+    OptPipe's formulation on the task DAG of ``graph.build_step`` (no activation offload tasks):
+    * every lane of every stage runs one task at a time, in an order the solver picks (no backbone);
+    * each activation set (stage, mb, layer) is, by a decision, kept on the device; offloaded to
+      its host (act.offload after the layer's forward, act.onload before its backward, on the
+      offload_local lane); offloaded to the next stage's memory (act.roffload, act.rstore,
+      act.rserve, act.ronload on the offload_remote lanes; the last stage has no such peer); or
+      recomputed (dropped at the end of the layer's forward except the layer input, then the
+      layer's forward tasks re-run on their lanes, compute and ep, before its backward). The added
+      tasks, their durations and their memory effects are the planner's graph's (a graph built
+      with that choice); the prefetch trigger of the planner's onloads is left to the solver;
+    * per stage a reservoir constraint keeps static bytes plus every present task's allocations
+      (at its start) minus its frees (at its end), plus the bytes it holds for its peer, within the
+      budget, as ``planner`` counts a stage's device peak (device + peer);
+    * minimise the makespan (the step time).
+    Durations are rounded up as in ``solve_exact``; found starts re-timed with the real durations
+    stay a schedule within the budget. Host memory is not bounded, as the planner does not bound it.
+    The bound of [Note: rounding] holds: its monotone shift keeps every allocation after the frees
+    that preceded it, so memory levels can only fall.
+
+    [Note: memory as a cumulative]
+    Each stage's device allocations are paired with the frees that return them (``_memory_pieces``:
+    a free takes bytes only from allocations of its ancestors in the DAG, an activation set's bytes
+    only from its own backward), and each pair is an interval from the allocating task's start to
+    the freeing task's end, its bytes the demand, in one cumulative per stage with capacity budget
+    minus static bytes; bytes never freed are held to the makespan. A set's pieces exist in one
+    version per choice: whole when kept; cut at the offload's end (the drop, for recompute) and
+    resumed at the onload's start (the first re-run task's) otherwise; the peer holds a remotely
+    offloaded set from the offload's start to the onload's end, and a recomputed set keeps its layer
+    input between the drop and the re-run. Only the version of the chosen storage is present. The
+    same levels as a reservoir of events, propagated far better by CP-SAT; if no pairing exists
+    (a free with no ancestor allocation) the model falls back to ``add_reservoir_constraint``.
+    """
+    from ortools.sat.python import cp_model
+
+    from .planner import lower_bound_us
+
+    bad = [c for c in choices if c not in ACT_CHOICES]
+    if bad or "keep" not in choices:
+        raise ValueError(f"exact solve: activation choices must include keep and be among {', '.join(ACT_CHOICES)}; "
+                         f"got {', '.join(choices)}")
+    t0 = time.perf_counter()
+    ecfg = _exact_config(cfg)
+    budget = int(cfg.budget_bytes if budget_bytes is None else budget_bytes)
+    g = build_step(ecfg)
+    base = g.tasks
+    if len(base) > MAX_TASKS:
+        raise ValueError(f"exact solve: {len(base)} tasks exceed the limit of {MAX_TASKS} (use pp <= 4, "
+                         f"microbatches <= 8, 1-2 layers per stage)")
+    opts, consumers = _option_tasks(ecfg, g, choices)
+    every: dict[str, Task] = dict(base)
+    owner: dict[str, tuple[tuple[int, int, int], str]] = {}
+    for key, o in opts.items():
+        for c, ts in o.items():
+            for t in ts:
+                every[t.id] = t
+                owner[t.id] = (key, c)
+    dur = {tid: int(math.ceil(t.duration_us * scale - 1e-9)) for tid, t in every.items()}
+    rounding_us = sum(dur[t] / scale - every[t].duration_us for t in every)
+
+    def events(tid: str, t: Task, s: int) -> list[tuple[int, int, int]]:
+        """(stage, time, delta) memory events of ``t`` started at ``s`` (peer bytes count on the peer)."""
+        e, end = [], s + dur[tid]
+        if t.alloc.device:
+            e.append((t.stage, s, t.alloc.device))
+        if t.free.device:
+            e.append((t.stage, end, -t.free.device))
+        if t.release is not None and t.release[1]:
+            e.append((t.release[0], end, -t.release[1]))
+        holder = t.peer_stage if t.peer_stage is not None else t.stage
+        if t.alloc.peer:
+            e.append((holder, s, t.alloc.peer))
+        if t.free.peer:
+            e.append((holder, end, -t.free.peer))
+        return e
+
+    def feasible(h: dict[str, int], present: set[str]) -> bool:
+        ev: dict[int, list[tuple[int, int]]] = {}
+        for tid in present:
+            for st, x, d in events(tid, every[tid], h[tid]):
+                ev.setdefault(st, []).append((x, d))
+        for st, es in ev.items():
+            level, room = 0, budget - g.static_device[st]
+            for _, d in sorted(es):  # frees before allocations at one instant, as CP-SAT nets them
+                level += d
+                if level > room:
+                    return False
+        return True
+
+    # hints: plans re-timed with rounded durations (their offload choice mapped), and one
+    # micro-batch at a time with every set kept
+    cands: list[tuple[dict[str, int], dict[tuple[int, int, int], str]]] = []
+    order = sorted(base, key=lambda t: (base[t].mb if base[t].mb is not None else 1 << 30, g.topo[t]))
+    seq, now = {}, 0
+    for tid in order:
+        seq[tid] = now
+        now += dur[tid]
+    cands.append((seq, {}))
+    for p in hint_plans:
+        pdur = _int_durations(p.graph, scale)
+        if any(tid not in p.tasks or pdur[tid] != dur[tid] for tid in base):
+            continue
+        h = _stretch(p, pdur)
+        ch: dict[tuple[int, int, int], str] = {}
+        ok = True
+        for tid, t in p.tasks.items():
+            if tid in base:
+                continue
+            if tid not in every or owner[tid][1] not in choices:
+                ok = False
+                break
+            ch[owner[tid][0]] = owner[tid][1]
+        if ok:
+            cands.append((h, ch))
+    rejected, hint = 0, None
+    for h, ch in cands:
+        present = set(base) | {t.id for k, c in ch.items() for t in opts[k][c]}
+        if not feasible(h, present):
+            rejected += 1
+            continue
+        span_h = max(h[t] + dur[t] for t in present)
+        if hint is None or span_h < hint[2]:
+            hint = (h, ch, span_h)
+    head, tail = _heads_tails(g, {t: dur[t] for t in base})
+    lb = max(max(head[t] + dur[t] + tail[t] for t in base), int(math.floor(lower_bound_us(g)[0] * scale + 1e-6)))
+    horizon = hint[2] if hint is not None else sum(dur.values())
+    lb = min(lb, horizon)
+    m = cp_model.CpModel()
+    start: dict[str, cp_model.IntVar] = {}
+    lit: dict[tuple[tuple[int, int, int], str], cp_model.IntVar] = {}
+    one = m.new_bool_var("one")
+    m.add(one == 1)
+    by_res: dict[tuple[int, str], list] = {}
+    for tid, t in base.items():
+        s = m.new_int_var(head[tid], max(head[tid], horizon - tail[tid] - dur[tid]), f"s:{tid}")
+        start[tid] = s
+        by_res.setdefault((t.stage, t.lane), []).append(m.new_fixed_size_interval_var(s, dur[tid], f"i:{tid}"))
+    for key, o in opts.items():
+        keep = m.new_bool_var(f"keep:{key}")
+        lits = [keep]
+        lit[(key, "keep")] = keep
+        for c, ts in o.items():
+            x = lit[(key, c)] = m.new_bool_var(f"{c}:{key}")
+            lits.append(x)
+            for t in ts:
+                s = start[t.id] = m.new_int_var(0, max(0, horizon - dur[t.id]), f"s:{t.id}")
+                if t.lane != "none":
+                    by_res.setdefault((t.stage, t.lane), []).append(
+                        m.new_optional_fixed_size_interval_var(s, dur[t.id], x, f"i:{t.id}"))
+        m.add_exactly_one(lits)
+    for tid, t in base.items():
+        for d in t.deps:
+            m.add(start[d] + dur[d] <= start[tid])
+        for d in g.start_deps.get(tid, ()):
+            m.add(start[d] <= start[tid])
+    makespan = m.new_int_var(lb, horizon, "makespan")
+    has_succ = {d for t in base.values() for d in t.deps}
+    for tid in base:
+        if tid not in has_succ:
+            m.add(start[tid] + dur[tid] <= makespan)
+    for key, o in opts.items():
+        for c, ts in o.items():
+            x = lit[(key, c)]
+            for t in ts:
+                for d in t.deps:
+                    m.add(start[d] + dur[d] <= start[t.id]).only_enforce_if(x)
+                m.add(start[t.id] + dur[t.id] <= makespan).only_enforce_if(x)
+            for last in _last_of(key, c, ts, g):
+                for cons in consumers.get(key, ()):
+                    m.add(start[last] + dur[last] <= start[cons]).only_enforce_if(x)
+    for ivs in by_res.values():
+        if len(ivs) > 1:
+            m.add_no_overlap(ivs)
+    pieces = _memory_pieces(g)
+    if pieces is None:  # no pairing of allocations with frees: one reservoir per stage
+        ev: dict[int, tuple[list, list, list]] = {}
+        for tid, t in every.items():
+            x = one if tid in base else lit[(owner[tid][0], owner[tid][1])]
+            for st, when, d in events(tid, t, 0):
+                e = ev.setdefault(st, ([], [], []))
+                e[0].append(start[tid] + when)
+                e[1].append(int(d))
+                e[2].append(x)
+        for st, (times, deltas, actives) in ev.items():
+            m.add_reservoir_constraint_with_active(times, deltas, actives, -sum(abs(d) for d in deltas) - 1,
+                                                   budget - int(g.static_device[st]))
+    else:  # [Note: memory as a cumulative]
+        cum: dict[int, tuple[list, list]] = {}
+
+        def hold(st: int, a, b, nbytes: int, x, name: str) -> None:
+            size = m.new_int_var(0, horizon, f"z:{name}")
+            iv = (m.new_interval_var(a, size, b, f"h:{name}") if x is None
+                  else m.new_optional_interval_var(a, size, b, x, f"h:{name}"))
+            e = cum.setdefault(st, ([], []))
+            e[0].append(iv)
+            e[1].append(int(nbytes))
+
+        end = lambda tid: start[tid] + dur[tid]  # noqa: E731
+        for st, ps in pieces.items():
+            for i, (a, f, nbytes, key) in enumerate(ps):
+                stop = makespan if f is None else end(f)
+                o = opts.get(key) if key is not None else None
+                if not o:
+                    hold(st, start[a], stop, nbytes, None, f"{st}:{i}")
+                    continue
+                hold(st, start[a], stop, nbytes, lit[(key, "keep")], f"{st}:{i}:keep")
+                for c, ts in o.items():
+                    x = lit[(key, c)]
+                    if c == "recompute":  # dropped at the drop, back from the first copy's start
+                        cut, back = start[ts[0].id], start[ts[1].id]
+                    else:  # away from the offload's end to the onload's start
+                        cut, back = end(ts[0].id), start[ts[-1].id]
+                    hold(st, start[a], cut, nbytes, x, f"{st}:{i}:{c}:0")
+                    hold(st, back, stop, nbytes, x, f"{st}:{i}:{c}:1")
+        for key, o in opts.items():
+            s_ = key[0]
+            if "remote" in o:  # the peer holds the set from the offload's start to the onload's end
+                ts = o["remote"]
+                hold(ts[0].peer_stage, start[ts[0].id], end(ts[-1].id), ts[0].alloc.peer, lit[(key, "remote")],
+                     f"peer:{key}")
+            if "recompute" in o:  # the layer input stays while the rest is dropped
+                ts = o["recompute"]
+                kept = g.offload_sets[key] - ts[0].free.device
+                if kept:
+                    hold(s_, start[ts[0].id], start[ts[1].id], kept, lit[(key, "recompute")], f"ckpt:{key}")
+        for st, (ivs, dem) in cum.items():
+            m.add_cumulative(ivs, dem, budget - int(g.static_device[st]))
+    m.minimize(makespan)
+    if hint is not None:
+        h, ch, span_h = hint
+        for tid, s in h.items():
+            if tid in start:
+                m.add_hint(start[tid], s)
+        for key, o in opts.items():
+            for c in ("keep", *o):
+                m.add_hint(lit[(key, c)], int(ch.get(key, "keep") == c))
+        m.add_hint(makespan, span_h)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = float(deterministic_time)
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = int(workers)
+    solver.parameters.random_seed = int(seed)
+    code = solver.solve(m)
+    status = _STATUS.get(int(code), str(code))
+    if status in ("OPTIMAL", "FEASIBLE"):
+        ch = {key: next(c for c in ("keep", *o) if solver.boolean_value(lit[(key, c)])) for key, o in opts.items()}
+        starts_i = {tid: solver.value(start[tid]) for tid in base}
+        for key, c in ch.items():
+            for t in opts[key].get(c, ()):
+                starts_i[t.id] = solver.value(start[t.id])
+        bound_i = solver.best_objective_bound
+    elif hint is not None:
+        status, bound_i = "FEASIBLE", float(lb)
+        ch = {key: hint[1].get(key, "keep") for key in opts}
+        starts_i = {tid: s for tid, s in hint[0].items() if tid in base or tid in owner}
+    else:
+        return ExactResult(status, math.inf, max(0.0, lb / scale - rounding_us), time.perf_counter() - t0,
+                           num_tasks=len(base), rounding_us=rounding_us, mode="free-memory",
+                           bound_int=float(lb), hints_rejected=rejected, scale=scale, budget_bytes=budget)
+    out: dict[str, Task] = {}
+    for tid, s in starts_i.items():
+        t = replace(every[tid], deps=list(every[tid].deps))
+        t.start_us = s / scale
+        t.end_us = t.start_us + t.duration_us
+        out[tid] = t
+    for key, c in ch.items():
+        for last in _last_of(key, c, opts[key].get(c, []), g):
+            for cons in consumers.get(key, ()):
+                out[cons].deps.append(last)
+    makespan_us = max(t.end_us for t in out.values())
+    bound_us = max(0.0, bound_i / scale - rounding_us)
+    return ExactResult(status, makespan_us, min(bound_us, makespan_us), time.perf_counter() - t0,
+                       {tid: t.start_us for tid, t in out.items()}, len(base),
+                       None if hint is None else hint[2] / scale, rounding_us, "free-memory", None, None,
+                       max(s + dur[t] for t, s in starts_i.items()) / scale, max(float(bound_i), float(lb)), rejected,
+                       starts_i, scale, choices=ch, tasks=out, budget_bytes=budget)
+
+
+def free_report(cfg: Config, plan: "Plan", *, extra_hints: "Sequence[Plan]" = (), deterministic_time: float = 5.0,
+                time_limit_s: float = 60.0) -> dict:
+    """Solve ``cfg`` with ``solve_free`` under the config's budget (hinted with ``plan`` and
+    ``extra_hints``) and compare ``plan`` with it, as ``exact_report`` does."""
+    res = solve_free(cfg, hint_plans=[plan, *extra_hints], deterministic_time=deterministic_time,
+                     time_limit_s=time_limit_s)
+    heur = float(plan.metrics["step_time_us"])
+    if not math.isfinite(res.makespan_us):
+        raise ValueError(f"no schedule within the budget found in deterministic time {deterministic_time:g} "
+                         f"(CP-SAT status {res.status})")
+    ref = res.makespan_us if res.optimal else res.bound_us
+    counts = {c: sum(1 for x in res.choices.values() if x == c) for c in ACT_CHOICES}
+    return {
+        "mode": res.mode,
+        "status": res.status,
+        "optimum_us": res.makespan_us if res.optimal else None,
+        "best_us": res.makespan_us,
+        "bound_us": res.bound_us,
+        "heuristic_us": heur,
+        "gap": heur / ref - 1.0 if ref > 0 else math.inf,
+        "gap_vs_bound": heur / res.bound_us - 1.0 if res.bound_us > 0 else math.inf,
+        "gap_vs_best": heur / res.makespan_us - 1.0,
+        "choices": counts,
+        "budget_bytes": res.budget_bytes,
         "num_tasks": res.num_tasks,
         "rounding_us": res.rounding_us,
         "wall_s": res.wall_s,
