@@ -224,13 +224,20 @@ def plan(
     from_torch_csv: Optional[Path] = typer.Option(None, help="Plan with this torch pipelining CSV as backbone."),
     exact: bool = typer.Option(False, help="Also solve the lane placement exactly with CP-SAT (small instances: "
                                            "up to ~3000 tasks) and print the heuristic's gap."),
-    exact_time_limit: float = typer.Option(20.0, help="CP-SAT time limit for --exact, seconds."),
+    exact_time_limit: float = typer.Option(20.0, help="CP-SAT time limit for --exact, seconds (with --exact-order "
+                                                      "free: CP-SAT deterministic time, one worker)."),
+    exact_order: str = typer.Option("backbone", help="--exact: backbone (the plan's compute order kept, memory not "
+                                                     "modeled) or free (any order, the device budget and each "
+                                                     "activation set's keep / offload / remote / recompute "
+                                                     "decided; k3sched/exact.py solve_free)."),
 ) -> None:
     """Predict step time, bubbles, exposed communication and memory of one training step."""
     cfg = _load(config, set_)
     if strategy is not None and strategy not in ("k3", "serial"):
         fail(f"--strategy: must be k3 or serial; got {strategy!r}")
     _number("--exact-time-limit", exact_time_limit, gt=0, unit="seconds")
+    if exact_order not in ("backbone", "free"):
+        fail(f"--exact-order: must be backbone or free; got {exact_order!r}")
     _check_out("--out", out, directory=True)
     _check_out("--torch-csv", torch_csv)
     if from_torch_csv is not None:
@@ -275,7 +282,21 @@ def plan(
 
         torch_csv.write_text((sched or backbone(cfg)).to_torch_csv(), newline="")
         console.print(f"wrote {torch_csv}", highlight=False)
-    if exact:
+    if exact and exact_order == "free":
+        from .exact import free_report
+
+        try:
+            rep = free_report(p.cfg, p, deterministic_time=exact_time_limit)
+        except ValueError as e:
+            fail(f"--exact: {e}")
+        ref = "optimum" if rep["status"] == "OPTIMAL" else "CP-SAT bound"
+        console.print(f"exact, order free, budget {rep['budget_bytes'] / 2**30:.4g} GiB ({rep['status']}, "
+                      f"{rep['num_tasks']} tasks, {rep['wall_s']:.1f} s): best {rep['best_us'] / 1e3:.3f} ms, bound "
+                      f"{rep['bound_us'] / 1e3:.3f} ms, activation sets "
+                      + ", ".join(f"{k} {v}" for k, v in rep["choices"].items())
+                      + f"; heuristic {rep['heuristic_us'] / 1e3:.3f} ms, gap {rep['gap'] * 100:.2f}% vs {ref} "
+                      f"({rep['gap_vs_best'] * 100:.2f}% vs best)", highlight=False)
+    elif exact:
         from .exact import exact_report
 
         try:
