@@ -6,7 +6,8 @@ On CPU, where "device" and "host" are the same RAM, the accounting is the pools'
 ``device`` = parameters + gradients + optimizer state + gradient-shard device buffers (distinct
 storages) + saved activations resident on the device (distinct storages of every live saved
 tensor; placeholders of offloaded tensors and device-pool buffers are not counted twice) +
-the device pool's held bytes (handed out, or free with a copy still in flight: like
+P2P send buffers until their send completed (``in_flight``; the plan holds a send's buffer until
+its receive ends) + the device pool's held bytes (handed out, or free with a copy still in flight: like
 ``memory_allocated``, cached free buffers are not counted; ``stats.reserved`` has them);
 ``host`` = the host pool's reserved bytes (+ host gradient shards); ``peer`` = bytes the peer pool holds for other ranks. These are the quantities the
 planner's memory model predicts (``peak_device_bytes`` includes bytes held for peers, so the
@@ -43,13 +44,16 @@ class MemoryTracker:
     ``static``: callable -> tensors resident on the device besides activations (parameters, their
     gradients, optimizer state, gradient buffers); ``saved``: callable -> the live saved tensors;
     ``pools``: the activation manager (``device_pool`` / ``host_pool`` / ``peer_pool``);
-    ``extra_host``: callable -> more host bytes (gradient shards)."""
+    ``extra_host``: callable -> more host bytes (gradient shards); ``in_flight``: callable -> device
+    buffers of transfers not yet complete (P2P sends), counted once with the saved tensors."""
 
     def __init__(self, static: Callable[[], Iterable[Tensor]], saved: Callable[[], Iterable[Tensor]], pools,
-                 device: torch.device, extra_host: Callable[[], int] | None = None) -> None:
+                 device: torch.device, extra_host: Callable[[], int] | None = None,
+                 in_flight: Callable[[], Iterable[Tensor]] | None = None) -> None:
         self.static, self.saved, self.pools = static, saved, pools
         self.device = device
         self.extra_host = extra_host or (lambda: 0)
+        self.in_flight = in_flight or (lambda: ())
         self.samples: list[tuple[float, int, int, int]] = []
         self.peak_device = 0  # device + peer (what the plan's peak_device_bytes counts)
         self.peak_host = 0
@@ -72,7 +76,7 @@ class MemoryTracker:
         else:
             for _ in range(8):  # another lane may change a store while it is read: read again
                 try:
-                    saved = list(self.saved())
+                    saved = list(self.saved()) + list(self.in_flight())
                     break
                 except RuntimeError:
                     continue

@@ -186,10 +186,9 @@ class PendingSends:
     transfer is done. A reaper thread waits on them in order and drops each once its transfer
     completed (gloo marks a send complete only in ``wait``), so a buffer is freed when its transfer
     is done, as the plan assumes (a send holds its buffer until the matching receive ends:
-    ``release`` in plan.json). :meth:`nbytes` counts what is held; the memory tracker does not add
-    it yet: measured, a sender can hold more buffers than planned while a slower receiver lags, and
-    the offload tests' budget check then fails (seen once, 11% over). :meth:`wait_all` (end of
-    step) waits for the rest and re-raises a failed send."""
+    ``release`` in plan.json). :meth:`buffers` are what is held; the memory tracker counts them
+    ([Note: measured memory]). :meth:`wait_all` (end of step) waits for the rest and re-raises a
+    failed send."""
 
     def __init__(self) -> None:
         self._items: dict[int, tuple] = {}
@@ -225,9 +224,12 @@ class PendingSends:
                 self._items.pop(key, None)
                 self._cv.notify_all()
 
-    def nbytes(self) -> int:
+    def buffers(self) -> list[Tensor]:
         with self._cv:
-            return sum(b.numel() * b.element_size() for _, b in self._items.values())
+            return [b for _, b in self._items.values()]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def wait_all(self, timeout_s: float | None = None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -372,12 +374,13 @@ class StageRunner:
         self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
         self._quantized: set[tuple[int, int]] = set()  # (mb, layer) sets kept on the device as FP8
         self._mem_lock = threading.Lock()
+        self.sends = PendingSends()
         self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
-                                    extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0)
+                                    extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0,
+                                    in_flight=self.sends.buffers)
         self.replicas = lo.ep * lo.dp
         self.mbs: dict[int, MicroBatch] = {}
         self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
-        self.sends = PendingSends()
         if p2p not in P2P_MODES:
             raise ValueError(f"p2p: one of {', '.join(P2P_MODES)}; got {p2p!r}")
         self.p2p_timeout_s = p2p_timeout_s

@@ -151,3 +151,17 @@ def test_cuda_offload_round_trip_is_bitwise_with_pinned_host_buffers():
     assert lc.t["shared.xn"].is_cuda and torch.equal(lc.t["shared.xn"], x) and torch.equal(lc.t["router.idx"], idx)
     assert lc.t["shared.xn"].data_ptr() == lc.t["dispatch.xn"].data_ptr()
     m.release("s0/mb0/L1/act")
+
+
+def test_memory_tracker_counts_send_buffers_in_flight_once():
+    # [Note: measured memory]: a P2P send's buffer counts until the send completed, and a buffer
+    # that is also a live saved tensor is not counted twice
+    from offload.memory import MemoryTracker
+
+    saved = torch.zeros(1024)
+    sending = [saved, torch.zeros(2048)]
+    tracker = MemoryTracker(lambda: (), lambda: (saved,), ActivationManager("cpu"), torch.device("cpu"),
+                            in_flight=lambda: list(sending))
+    assert tracker.sample()[1] == (1024 + 2048) * 4
+    sending.clear()  # the sends completed
+    assert tracker.sample()[1] == 1024 * 4 and tracker.peak_device == (1024 + 2048) * 4
