@@ -634,14 +634,16 @@ def _last_of(key: tuple[int, int, int], choice: str, tasks: list[Task], g: StepG
 
 def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequence[str] = ACT_CHOICES,
                hint_plans: "Sequence[Plan]" = (), deterministic_time: float = 5.0, time_limit_s: float = 60.0,
-               workers: int = 1, seed: int = 0, scale: int = 100) -> ExactResult:
+               workers: int = 1, seed: int = 0, scale: int = 100,
+               fixed: "dict[tuple[int, int, int], str] | None" = None) -> ExactResult:
     """Minimise the step time of ``cfg`` with the compute order free, the device memory bounded
     by ``budget_bytes`` (default ``cfg.budget_bytes``) and each activation set's storage a
     decision ([Note: exact free-order model]). Stops on CP-SAT's deterministic time
     (``deterministic_time``, single worker, fixed seed: the result does not depend on machine load;
     ``time_limit_s`` is only a safety net). ``hint_plans``: heuristic plans of the same config
     (any backbone on the same placement and offload policy); each one's schedule, re-timed with the
-    rounded durations, is a starting solution when it stays within the budget.
+    rounded durations, is a starting solution when it stays within the budget. ``fixed``: activation
+    sets whose storage is given (set -> choice), the rest decided.
 
     [Note: exact free-order model]
     OptPipe's formulation on the task DAG of ``graph.build_step`` (no activation offload tasks):
@@ -793,6 +795,10 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
                     by_res.setdefault((t.stage, t.lane), []).append(
                         m.new_optional_fixed_size_interval_var(s, dur[t.id], x, f"i:{t.id}"))
         m.add_exactly_one(lits)
+        if fixed and key in fixed:
+            if (key, fixed[key]) not in lit:
+                raise ValueError(f"exact solve: activation set {key} cannot be {fixed[key]!r} here")
+            m.add(lit[(key, fixed[key])] == 1)
     for tid, t in base.items():
         for d in t.deps:
             m.add(start[d] + dur[d] <= start[tid])

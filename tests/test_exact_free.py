@@ -167,3 +167,44 @@ def test_recompute_only_and_keep_only() -> None:
     with pytest.raises(ValueError, match="keep"):
         solve_free(cfg, choices=("local",))
     assert ACT_CHOICES == ("keep", "local", "remote", "recompute")
+
+
+def test_every_storage_choice_is_scheduled_and_counted() -> None:
+    """Fixed choices (stage 0's sets to stage 1's memory, stage 1's recomputed): the added tasks are
+    in the schedule on their lanes, the peer's bytes count on stage 1, the re-run forwards follow
+    their originals, and the step is no shorter than the free optimum that keeps everything."""
+    cfg = instance_config("pp2-m2-dense", budget_gib=1000.0)
+    sets = [k for k, b in build_step(cfg).offload_sets.items() if b]
+    fixed = {k: "remote" if k[0] == 0 else "recompute" for k in sets}
+    res = solve_free(cfg, fixed=fixed, deterministic_time=DTIME)
+    keep = solve_free(cfg, deterministic_time=DTIME)
+    assert res.optimal and keep.optimal and res.choices == fixed
+    check_schedule(cfg, res)
+    kinds = Counter((t.stage, t.kind.value, t.lane) for t in res.tasks.values() if t.id.endswith("@re")
+                    or t.kind.value.startswith("act.r"))
+    assert kinds[(0, "act.roffload", "offload_remote")] == kinds[(0, "act.ronload", "offload_remote")] == 2
+    assert kinds[(1, "act.rstore", "offload_remote")] == kinds[(1, "act.rserve", "offload_remote")] == 2
+    assert kinds[(1, "attn.fwd", "compute")] == kinds[(1, "mlp.fwd", "compute")] == 2
+    peer = memory_timeline(res.tasks.values())[(1, "peer")]
+    assert 0 < peer.peak <= sum(b for (s, _, _), b in build_step(cfg).offload_sets.items() if s == 0)
+    assert res.objective_us >= keep.objective_us
+    with pytest.raises(ValueError, match="cannot be 'remote'"):
+        solve_free(cfg, fixed={(1, 0, 1): "remote"}, deterministic_time=DTIME)  # the last stage has no peer
+
+
+def test_cli_plan_exact_order_free() -> None:
+    from typer.testing import CliRunner
+
+    from k3sched.cli import app
+
+    cfg = instance_config("pp2-m2-dense")
+    args = ["plan", str(TINY), "--set", "parallel.microbatches=2", "--set", "model.layers=2", "--set",
+            "model.dense_layers=2", "--set", "parallel.ep=1", "--set",
+            f"schedule.device_memory_budget={cfg.schedule.device_memory_budget!r}", "--exact", "--exact-order", "free",
+            "--exact-time-limit", str(DTIME)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())  # the console wraps long lines
+    assert "exact, order free, budget" in text and "activation sets keep" in text and "% vs" in text
+    bad = CliRunner().invoke(app, args[:-4] + ["--exact-order", "sideways"])
+    assert bad.exit_code == 2 and "--exact-order: must be backbone or free" in bad.output
