@@ -465,6 +465,79 @@ def calibrate(
     console.print(f"wrote {out} (plan with --set schedule.profile={out})", highlight=False)
 
 
+@command()
+def balance(
+    run: Path = typer.Argument(..., help="A run directory (k3sched run --out) or its summary.json."),
+    redundant: int = typer.Option(..., "--redundant", help="Extra expert slots per EP rank for replicas of hot "
+                                                          "experts (parallel.redundant_experts)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Placement YAML to write (plan and run with "
+                                                                 "--set schedule.expert_placement=FILE)."),
+    gpus_per_node: Optional[int] = typer.Option(None, help="Ranks per node (default: the run's config's "
+                                                           "hardware.gpus_per_node); splits the EP group "
+                                                           "into nodes for hierarchical balancing."),
+) -> None:
+    """Place redundant experts from a run's measured routing (EPLB-style, [Note: balancing] in
+    k3sched/balance.py): replicate the heaviest experts into the extra slots, pack the replicas to
+    equalise the EP ranks' loads; print each rank's load before and after."""
+    import yaml
+
+    from .balance import Placement, balance as place, imbalance, loads_from_summary
+
+    _number("--redundant", redundant, ge=0)
+    _number("--gpus-per-node", gpus_per_node, ge=1)
+    _check_out("-o", out)
+    path = run / "summary.json" if run.is_dir() else run
+    from traces.schema import check_summary
+
+    from traces.chrome import load_json
+    from traces.events import TraceError
+
+    try:
+        doc = load_json(path)
+        check_summary(doc, str(path))
+    except TraceError as e:
+        fail(str(e))
+    loads, ep = loads_from_summary(doc, str(path))
+    routing = doc["routing"]
+    E = len(loads)
+    if gpus_per_node is None:
+        gpus_per_node = 0
+        try:
+            gpus_per_node = load_config(doc["config"], doc.get("overrides") or []).hardware.gpus_per_node
+        except (ConfigError, KeyError, TypeError):
+            console.print("note: the run's config is not readable here; balancing without nodes "
+                          "(--gpus-per-node N to split the EP group)", highlight=False)
+    try:
+        new = place(loads, ep, redundant, gpus_per_node)
+    except ValueError as e:
+        fail(f"--redundant: {e}; got {redundant}")
+    slots = routing.get("slots")
+    try:
+        before = Placement(tuple(tuple(int(e) for e in r) for r in slots), E)
+        before.rank_loads(loads)
+    except (TypeError, ValueError, IndexError):
+        fail(f"{path}: routing.slots: must be {ep} lists of expert ids in 0..{E - 1}")
+    t = Table(title=f"tokens per EP rank ({len(routing['tokens_per_expert'])} steps x "
+                    f"{len(routing['tokens_per_expert'][0])} MoE layers)")
+    t.add_column("EP rank")
+    t.add_column("before: experts")
+    t.add_column("tokens", justify="right")
+    t.add_column("after: experts")
+    t.add_column("tokens", justify="right")
+    lb, la = before.rank_loads(loads), new.rank_loads(loads)
+    for r in range(ep):
+        t.add_row(str(r), " ".join(map(str, before.slots[r])), f"{lb[r]:,.0f}", " ".join(map(str, new.slots[r])),
+                  f"{la[r]:,.0f}")
+    console.print(t)
+    console.print(f"imbalance (max / mean per EP rank): before {imbalance(lb):.3f}, after {imbalance(la):.3f} "
+                  f"({redundant} redundant slot(s) per rank; replicated: "
+                  f"{', '.join(map(str, new.replicated())) or 'none'})", highlight=False)
+    if out is not None:
+        out.write_text(yaml.safe_dump(new.to_doc(), default_flow_style=None, sort_keys=False))
+        console.print(f"wrote {out} (plan and run with --set parallel.redundant_experts={redundant} "
+                      f"--set schedule.expert_placement={out})", highlight=False)
+
+
 def _writable_target(path: Path, *, directory: bool = False) -> str | None:
     """Why ``path`` cannot be written (one phrase), or None: ``traces.cli.writable_target``, the
     one check of every output option (imported here, lazily: ``k3sched plan`` starts without it)."""

@@ -93,12 +93,18 @@ class ModelConfig(_Section):
     """Node-limited routing (DeepSeek-V3: 4): each token goes to experts on at most this many nodes
     and crosses the NIC once per node it reaches ([Note: node-limited routing] in k3sched/cost.py);
     1..65536, empty: unlimited. Left out of plan.json's config when unset."""
+    router_skew: float = _float(0.0, 16.0, open_low=False, default=0.0)
+    """Zipf exponent of the synthetic router's expert popularity, 0..16 (0: uniform): a fixed bias
+    ``-router_skew * ln(e + 1)`` on expert e's router logit ([Note: router skew] in
+    k3sched/balance.py). Left out of plan.json's config when 0."""
 
     @model_serializer(mode="wrap")
     def _drop_unset_routing(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
         if self.max_route_nodes is None:
             out.pop("max_route_nodes", None)
+        if not self.router_skew:
+            out.pop("router_skew", None)
         return out
 
     @property
@@ -134,6 +140,16 @@ class ParallelConfig(_Section):
     counted) or even by count."""
     world_size: int | None = _int(1, 1 << 40, default=None)
     """Optional: the job's world size; must equal pp * ep * dp."""
+    redundant_experts: int = _int(0, 65536, default=0)
+    """Extra expert slots per EP rank holding replicas of hot experts (EPLB), 0..65536; needs ep >= 2
+    ([Note: expert placement] in k3sched/balance.py). Left out of plan.json's config when 0."""
+
+    @model_serializer(mode="wrap")
+    def _drop_defaults(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if not self.redundant_experts:
+            out.pop("redundant_experts", None)
+        return out
 
     @property
     def world(self) -> int:
@@ -218,6 +234,10 @@ class ScheduleConfig(_Section):
     (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do); 0..65536."""
     profile: str | None = None
     """Measured profile YAML whose per-kind durations replace the analytic cost model."""
+    expert_placement: str | None = None
+    """Placement YAML (``k3sched balance`` writes it): the expert of every slot of every EP rank and
+    the measured per-expert loads ([Note: expert placement] in k3sched/balance.py); empty: computed
+    from the modelled loads. Left out of plan.json's config when unset."""
     seed: int = _int(0, (1 << 63) - 1, default=0)
     """Model and data seed of runs, 0..2^63-1."""
     max_tasks: int = _int(1, MAX_TASKS_LIMIT, default=DEFAULT_MAX_TASKS)
@@ -234,6 +254,8 @@ class ScheduleConfig(_Section):
             out.pop("max_tasks", None)
         if not self.fp8_dispatch:
             out.pop("fp8_dispatch", None)
+        if self.expert_placement is None:
+            out.pop("expert_placement", None)
         return out
 
 
@@ -267,6 +289,15 @@ class Config(_Section):
         if m.max_route_nodes is not None and m.max_route_nodes > m.top_k:
             raise ValueError(f"model.max_route_nodes: must be at most model.top_k ({m.top_k}): a token reaches "
                              f"at most top_k nodes; got {m.max_route_nodes}")
+        if p.redundant_experts and p.ep < 2:
+            raise ValueError(f"parallel.redundant_experts: replicas live on other EP ranks, so it needs parallel.ep "
+                             f">= 2; got ep {p.ep}")
+        if p.redundant_experts and m.experts // p.ep + p.redundant_experts > m.experts:
+            raise ValueError(f"parallel.redundant_experts: at most experts - experts/ep = "
+                             f"{m.experts - m.experts // p.ep} (one replica per rank); got {p.redundant_experts}")
+        if (p.redundant_experts or self.schedule.expert_placement) and self.schedule.grad_offload:
+            raise ValueError("schedule.grad_offload: not supported with redundant experts or an expert placement "
+                             "(the host gradient shards do not sum replicas); set one of them off")
         if m.dense_layers > m.layers:
             raise ValueError(f"model.dense_layers: must be at most model.layers ({m.layers}); got {m.dense_layers}")
         if p.world_size is not None and p.world_size != p.world:

@@ -50,6 +50,10 @@ from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
 _FP8_A2A = frozenset({Kind.DISPATCH_FWD, Kind.DISPATCH_RE, Kind.COMBINE_BWD})
 """All-to-alls whose payload feeds an expert GEMM: FP8 under ``schedule.fp8_dispatch``."""
 
+_EXPERT_KINDS = frozenset({Kind.EXPERT_FWD, Kind.EXPERT_DX, Kind.EXPERT_DW})
+"""Routed-expert GEMMs: their duration follows the busiest EP rank's load ([Note: skewed cost] in
+k3sched/balance.py)."""
+
 _GEMM = {
     Kind.ATTN_FWD, Kind.ATTN_DX, Kind.ATTN_DW, Kind.ROUTER_FWD, Kind.ROUTER_BWD, Kind.SHARED_FWD,
     Kind.SHARED_DX, Kind.SHARED_DW, Kind.EXPERT_FWD, Kind.EXPERT_DX, Kind.EXPERT_DW, Kind.MLP_FWD,
@@ -261,7 +265,28 @@ class CostModel:
 
     def expert_params_local(self) -> int:
         m, p = self.cfg.model, self.cfg.parallel
-        return (m.experts // p.ep) * 3 * m.hidden * m.expert_hidden
+        return (m.experts // p.ep + p.redundant_experts) * 3 * m.hidden * m.expert_hidden
+
+    def skew_factors(self) -> tuple[float, float]:
+        """(expert GEMM, all-to-all bytes) factors of the busiest EP rank under the modelled
+        per-expert loads and placement ([Note: skewed cost] in k3sched/balance.py); (1, 1) when
+        routing is uniform over a contiguous placement."""
+        f = self.__dict__.get("_skew")
+        if f is None:
+            from .balance import load_factors
+
+            f = self.__dict__["_skew"] = load_factors(self.cfg)
+        return f
+
+    def replica_params(self) -> int:
+        """Parameters of one MoE layer's replicated experts (summed over the stage's ranks in grad.rs)."""
+        from .balance import placement_for
+
+        m, p = self.cfg.model, self.cfg.parallel
+        if not p.redundant_experts and not self.cfg.schedule.expert_placement:
+            return 0
+        return len(placement_for(self.cfg).replicated()) * 3 * m.hidden * m.expert_hidden
+
 
     def shared_params(self) -> int:
         m = self.cfg.model
@@ -296,9 +321,9 @@ class CostModel:
             Kind.SHARED_FWD: 2 * T * 3 * h * f * m.shared_experts,
             Kind.SHARED_DX: 2 * T * 3 * h * f * m.shared_experts,
             Kind.SHARED_DW: 2 * T * 3 * h * f * m.shared_experts,
-            Kind.EXPERT_FWD: 2 * T * k * 3 * h * f,
-            Kind.EXPERT_DX: 2 * T * k * 3 * h * f,
-            Kind.EXPERT_DW: 2 * T * k * 3 * h * f,
+            Kind.EXPERT_FWD: 2 * T * k * 3 * h * f * self.skew_factors()[0],
+            Kind.EXPERT_DX: 2 * T * k * 3 * h * f * self.skew_factors()[0],
+            Kind.EXPERT_DW: 2 * T * k * 3 * h * f * self.skew_factors()[0],
             Kind.MLP_FWD: 2 * T * 3 * h * F,
             Kind.MLP_DX: 2 * T * 3 * h * F,
             Kind.MLP_DW: 2 * T * 3 * h * F,
@@ -352,7 +377,9 @@ class CostModel:
         dense, expert = self.layer_params(layer)
         f = 1 if self.cfg.schedule.grad_offload else 2
         w = Wire()
-        for n, params, link in ((p.ep * p.dp, dense, self.dp_dense_link), (p.dp, expert, self.dp_expert_link)):
+        replicas = self.replica_params() if self.cfg.model.is_moe(layer) else 0  # summed over ep*dp
+        for n, params, link in ((p.ep * p.dp, dense, self.dp_dense_link), (p.dp, expert, self.dp_expert_link),
+                                (p.ep * p.dp, replicas, self.dp_dense_link)):
             if n > 1 and params:
                 nbytes = params * self.b * f * (n - 1) / n
                 w = w + Wire(steps=f * (n - 1), terms=((nbytes, link[0]),), latency_us=link[1])
@@ -392,7 +419,9 @@ class CostModel:
         inter_any = ep > g
         calls = 2 if kind in (Kind.DISPATCH_FWD, Kind.DISPATCH_RE) else 1
         lat = hw.internode_latency_us if inter_any else hw.nvlink_latency_us
-        return Wire(steps=calls, terms=terms, latency_us=lat)
+        a2a = self.skew_factors()[1]  # the busiest rank's bytes ([Note: skewed cost] in k3sched/balance.py)
+        return Wire(steps=calls, terms=tuple((b * a2a, gbps) for b, gbps in terms), latency_us=lat)
+
 
     def wire(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0) -> Wire | None:
         """What a communication task puts on the wire ([Note: wire model]); None for other kinds."""
@@ -564,8 +593,8 @@ class CostModel:
     def _one_core_us(self, kind: Kind, layer: int | None, nbytes: int) -> float:
         hw = self.cfg.hardware
         measured = self.profile.durations_us.get(kind.value)
-        if measured is not None:
-            return measured
+        if measured is not None:  # measured at the profiled run's routing: balanced ([Note: skewed cost])
+            return measured * (self.skew_factors()[0] if kind in _EXPERT_KINDS else 1.0)
         if kind in _GEMM:
             return hw.launch_us + self.flops(kind) / self._flops_per_us
         w = self.wire(kind, layer=layer, nbytes=nbytes)

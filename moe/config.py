@@ -8,6 +8,7 @@ ignored, so the pydantic model section can carry scheduler-only fields).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,9 @@ class MoEModelArgs:
     """EP dispatch recompute (task ``dispatch.re``): keep the dispatch input, not its output."""
     rms_eps: float = 1e-6
     """RMSNorm epsilon."""
+    router_skew: float = 0.0
+    """Zipf exponent of expert popularity (0: uniform): the fixed router-logit bias
+    ``-router_skew * ln(e + 1)`` of expert e (see ``skew_bias`` in ``moe/model.py``)."""
     recompute: bool = False
     """Element-wise recompute (``schedule.recompute``): keep the inputs of RMSNorm and SwiGLU, not
     their outputs, and recompute them in the dX task (bitwise identical; see [Note: element-wise
@@ -70,6 +74,8 @@ class MoEModelArgs:
             raise ValueError(f"dense_layers ({self.dense_layers}) must be in [0, layers={self.layers}]")
         if self.dense_layers < self.layers and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k ({self.top_k}) must be in [1, experts={self.experts}]")
+        if not (math.isfinite(self.router_skew) and self.router_skew >= 0):
+            raise ValueError(f"router_skew ({self.router_skew}) must be a finite number >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not one of {sorted(_DTYPES)}")
 

@@ -125,6 +125,19 @@ def sequence_aux_loss(scores_TE: Tensor, topk_idx_TK: Tensor, batch: int) -> Ten
     return (f_BE * p_BE).sum(-1).mean()
 
 
+def skew_bias(experts: int, skew: float, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """The fixed router-logit bias ``-skew * ln(e + 1)`` of expert e (``MoEModelArgs.router_skew``):
+    it multiplies expert e's softmax score by ``(e + 1) ** -skew`` ([Note: router skew] in
+    k3sched/balance.py)."""
+    return -skew * torch.log1p(torch.arange(experts, dtype=torch.float64, device=device)).to(dtype)
+
+
+def contiguous_slots(experts: int, ep_size: int) -> tuple[tuple[int, ...], ...]:
+    """The placement without replicas: expert e on EP rank ``e // (experts / ep_size)``."""
+    L = experts // ep_size
+    return tuple(tuple(range(r * L, (r + 1) * L)) for r in range(ep_size))
+
+
 def route(scores_TE: Tensor, expert_bias_E: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     """Top-k selection on ``scores + bias`` (bias affects selection only); gather the weights."""
     topk_idx_TK = torch.topk(scores_TE.detach() + expert_bias_E, top_k, dim=-1).indices
@@ -177,7 +190,7 @@ class Block(nn.Module):
     """One transformer block; its methods are the per-layer sub-op tasks."""
 
     def __init__(self, args: MoEModelArgs, layer: int, ep_rank: int, ep_size: int,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, slots: tuple[tuple[int, ...], ...] | None = None) -> None:
         super().__init__()
         self.args, self.layer, self.ep_rank, self.ep_size = args, layer, ep_rank, ep_size
         self.is_moe = args.is_moe_layer(layer)
@@ -189,8 +202,8 @@ class Block(nn.Module):
         if self.is_moe:
             if args.experts % ep_size:
                 raise ValueError(f"experts ({args.experts}) must be a multiple of the EP size ({ep_size})")
-            L, F_, Fs = args.experts // ep_size, args.expert_hidden, args.shared_experts * args.expert_hidden
-            self.num_local_experts = L
+            self._set_slots(slots or contiguous_slots(args.experts, ep_size))
+            L, F_, Fs = self.num_local_experts, args.expert_hidden, args.shared_experts * args.expert_hidden
             self.gate = _param(args.experts, D, dtype=dt, device=device)
             self.register_buffer("expert_bias", torch.zeros(args.experts, dtype=router_dtype(dt), device=device))
             self.w1 = _param(L, F_, D, dtype=dt, device=device)
@@ -205,6 +218,55 @@ class Block(nn.Module):
             self.mlp_w1 = _param(Fd, D, dtype=dt, device=device)
             self.mlp_w3 = _param(Fd, D, dtype=dt, device=device)
             self.mlp_w2 = _param(D, Fd, dtype=dt, device=device)
+
+    def _set_slots(self, slots: tuple[tuple[int, ...], ...]) -> None:
+        """[Note: expert placement] (k3sched/balance.py): ``slots[r][s]`` is the expert in slot s of
+        EP rank r; this rank's weights hold its slots' experts. Global slot id ``g = r * L + s``."""
+        E, R = self.args.experts, self.ep_size
+        if len(slots) != R or len({len(row) for row in slots}) != 1:
+            raise ValueError(f"layer {self.layer}: a placement needs {R} rows of equal length; got {slots}")
+        L = len(slots[0])
+        table: list[list[int]] = [[] for _ in range(E)]
+        for r, row in enumerate(slots):
+            for s_, e in enumerate(row):
+                table[e].append(r * L + s_)
+        if any(not t for t in table):
+            raise ValueError(f"layer {self.layer}: expert {next(e for e, t in enumerate(table) if not t)} has no slot")
+        self.slots, self.num_local_experts = tuple(tuple(r) for r in slots), L
+        self.local_experts = self.slots[self.ep_rank]
+        self.identity_slots = self.slots == contiguous_slots(E, R)
+        width = max(len(t) for t in table)
+        cpu = torch.device("cpu")  # plain CPU tensors (not buffers), also when built under a meta device
+        self._replica_n_E = torch.tensor([len(t) for t in table], dtype=torch.int64, device=cpu)
+        self._replica_EM = torch.tensor([t + [t[0]] * (width - len(t)) for t in table], dtype=torch.int64,
+                                        device=cpu)
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self.reset_routing_counts()
+
+    def reset_routing_counts(self) -> None:
+        """Zero the routing counters: ``routed_E`` (this rank's routed slots per expert) and
+        ``routed_G`` (per global slot, i.e. per replica) since the last reset (dispatch.fwd adds)."""
+        E, G = self.args.experts, self.ep_size * self.num_local_experts
+        self.routed_E = torch.zeros(E, dtype=torch.int64, device="cpu")
+        self.routed_G = torch.zeros(G, dtype=torch.int64, device="cpu")
+
+    def physical_slots(self, flat_P: Tensor, counts_E: Tensor) -> Tensor:
+        """Global slot of every routed (token, k) slot: the j-th of this rank's c slots for expert e
+        (token order) goes to e's replica ``j * n // c`` of n ([Note: expert placement])."""
+        if self.identity_slots:
+            return flat_P
+        dev = flat_P.device
+        if dev not in self._tables:
+            self._tables[dev] = (self._replica_n_E.to(dev), self._replica_EM.to(dev))
+        n_E, table_EM = self._tables[dev]
+        order0 = torch.argsort(flat_P, stable=True)
+        e_sorted = flat_P[order0]
+        start_E = torch.cumsum(counts_E, 0) - counts_E
+        pos = torch.arange(flat_P.numel(), device=dev) - start_E[e_sorted]
+        j = (pos * n_E[e_sorted]) // counts_E[e_sorted]
+        slot_P = torch.empty_like(flat_P)
+        slot_P[order0] = table_EM[e_sorted, j]
+        return slot_P
 
     @property
     def has_shared(self) -> bool:
@@ -238,6 +300,9 @@ class Block(nn.Module):
         with c.recording():
             xn = c.tap("xn", lc.xn_TD)
             logits_TE = c.linear("gate", xn.to(router_dtype(xn.dtype)), self.gate)
+            if self.args.router_skew:
+                logits_TE = logits_TE + skew_bias(self.args.experts, self.args.router_skew, logits_TE.dtype,
+                                                  logits_TE.device)
             scores_TE = logits_TE.softmax(-1)
             idx, w = route(scores_TE, self.expert_bias, self.args.top_k, self.args.normalize_topk)
             aux = sequence_aux_loss(scores_TE, idx, batch)
@@ -252,15 +317,19 @@ class Block(nn.Module):
         idx_TK = lc.topk_idx_TK
         K = idx_TK.shape[1]
         flat_P = idx_TK.reshape(-1)
-        order_P = torch.argsort(flat_P, stable=True)
         counts_E = torch.bincount(flat_P, minlength=a.experts)
-        recv_counts_RL = exchange_counts(counts_E, group)
+        slot_P = self.physical_slots(flat_P, counts_E)  # = flat_P without replicas
+        order_P = torch.argsort(slot_P, stable=True)
+        counts_G = counts_E if self.identity_slots else torch.bincount(slot_P, minlength=R * L)
+        self.routed_E += counts_E.cpu()
+        self.routed_G += counts_G.cpu()
+        recv_counts_RL = exchange_counts(counts_G, group)
         recv_RL_cpu = recv_counts_RL.cpu()
         local_expert_N = torch.repeat_interleave(torch.arange(L).repeat(R), recv_RL_cpu.reshape(-1))
         local_sort_N = torch.argsort(local_expert_N, stable=True).to(flat_P.device)
         lc.plan = RoutingPlan(
             order_P=order_P, token_of_slot_P=order_P // K, inv_order_P=torch.argsort(order_P),
-            send_splits=counts_E.view(R, L).sum(1).tolist(), recv_splits=recv_RL_cpu.sum(1).tolist(),
+            send_splits=counts_G.view(R, L).sum(1).tolist(), recv_splits=recv_RL_cpu.sum(1).tolist(),
             recv_counts_RL=recv_counts_RL, tokens_per_local_expert=recv_RL_cpu.sum(0).tolist(),
             local_sort_N=local_sort_N, local_unsort_N=torch.argsort(local_sort_N))
         c = lc.dispatch = SubOpCtx("dispatch")
@@ -417,7 +486,10 @@ class Block(nn.Module):
         if self.ep_size != 1:
             raise ValueError("the reference path needs every expert local (EP size 1)")
         rdt = router_dtype(xn_TD.dtype)
-        scores_TE = F.linear(xn_TD.to(rdt), self.gate.to(rdt)).softmax(-1)
+        logits_TE = F.linear(xn_TD.to(rdt), self.gate.to(rdt))
+        if a.router_skew:
+            logits_TE = logits_TE + skew_bias(a.experts, a.router_skew, logits_TE.dtype, logits_TE.device)
+        scores_TE = logits_TE.softmax(-1)
         idx_TK, w_TK = route(scores_TE, self.expert_bias, a.top_k, a.normalize_topk)
         aux = sequence_aux_loss(scores_TE, idx_TK, B)
         out_TD = torch.zeros_like(xn_TD)
@@ -439,39 +511,43 @@ class MoEModel(nn.Module):
     """Embedding -> blocks -> final norm + head + cross-entropy, with EP-sharded experts.
 
     Build with :meth:`build` (from a seed) or :meth:`from_full_state` (from full weights); expert
-    ``e`` lives on EP rank ``e // (experts / ep_size)``. Execute with :meth:`new_microbatch` and
+    ``e`` lives on EP rank ``e // (experts / ep_size)``, or where ``slots`` puts it (replicas
+    included, [Note: expert placement] in k3sched/balance.py). Execute with :meth:`new_microbatch` and
     :meth:`run` per task (see [Note: sub-op graph of one layer]), or :func:`run_microbatch_in_order`.
     """
 
     def __init__(self, args: MoEModelArgs, *, ep_rank: int = 0, ep_size: int = 1,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, slots: tuple[tuple[int, ...], ...] | None = None) -> None:
         super().__init__()
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank {ep_rank} not in [0, {ep_size})")
         device = torch.device(device) if device is not None else None
         self.args, self.ep_rank, self.ep_size = args, ep_rank, ep_size
+        self.slots = tuple(tuple(r) for r in slots) if slots is not None else contiguous_slots(args.experts, ep_size)
         dt = args.torch_dtype
         self.embed = _param(args.vocab, args.hidden, dtype=dt, device=device)
-        self.layers = nn.ModuleList(Block(args, i, ep_rank, ep_size, device) for i in range(args.layers))
+        self.layers = nn.ModuleList(Block(args, i, ep_rank, ep_size, device, self.slots)
+                                    for i in range(args.layers))
         self.final_norm = _param(args.hidden, dtype=dt, device=device)
         self.head = _param(args.vocab, args.hidden, dtype=dt, device=device)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_full_state(cls, args: MoEModelArgs, state: Mapping[str, Tensor], *, ep_rank: int = 0,
-                        ep_size: int = 1, device: torch.device | str | None = None) -> MoEModel:
-        """Model holding the local expert slice of full weights ``state`` (see init_full_state)."""
-        model = cls(args, ep_rank=ep_rank, ep_size=ep_size, device=device)
+                        ep_size: int = 1, device: torch.device | str | None = None,
+                        slots: tuple[tuple[int, ...], ...] | None = None) -> MoEModel:
+        """Model holding the local expert slots of full weights ``state`` (see init_full_state)."""
+        model = cls(args, ep_rank=ep_rank, ep_size=ep_size, device=device, slots=slots)
         local = {name: model.shard_of(name, t) for name, t in state.items()}
         model.load_state_dict(local, strict=True)
         return model
 
     @classmethod
     def build(cls, args: MoEModelArgs, seed: int, *, ep_rank: int = 0, ep_size: int = 1,
-              device: torch.device | str | None = None) -> MoEModel:
-        """Model with weights ``init_full_state(args, seed)`` (identical across EP sizes)."""
+              device: torch.device | str | None = None, slots: tuple[tuple[int, ...], ...] | None = None) -> MoEModel:
+        """Model with weights ``init_full_state(args, seed)`` (identical across EP sizes and placements)."""
         return cls.from_full_state(args, init_full_state(args, seed), ep_rank=ep_rank, ep_size=ep_size,
-                                   device=device)
+                                   device=device, slots=slots)
 
     @staticmethod
     def is_expert_param(name: str) -> bool:
@@ -479,11 +555,13 @@ class MoEModel(nn.Module):
         return name.rsplit(".", 1)[-1] in EXPERT_PARAMS
 
     def shard_of(self, name: str, full: Tensor) -> Tensor:
-        """This rank's slice of the full tensor ``name`` (the tensor itself if not sharded)."""
+        """This rank's slots of the full tensor ``name`` (the tensor itself if not sharded)."""
         if not self.is_expert_param(name):
             return full
-        L = self.args.experts // self.ep_size
-        return full[self.ep_rank * L:(self.ep_rank + 1) * L]
+        mine = self.slots[self.ep_rank]
+        if mine == tuple(range(mine[0], mine[0] + len(mine))):
+            return full[mine[0]:mine[0] + len(mine)]
+        return full[list(mine)]
 
     # -- task execution --------------------------------------------------------------------------
     def new_microbatch(self, tokens_BS: Tensor, targets_BS: Tensor, *, index: int = 0,

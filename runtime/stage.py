@@ -137,12 +137,12 @@ class StageSpec:
 
 
 def build_stage_model(args: MoEModelArgs, seed: int, spec: StageSpec, *, ep_rank: int, ep_size: int,
-                      device: torch.device) -> MoEModel:
+                      device: torch.device, slots: tuple[tuple[int, ...], ...] | None = None) -> MoEModel:
     """MoEModel holding only this stage's layers (others are empty placeholders), embedding and
     head only where the stage has them, and this EP rank's slice of experts. Weights come from
     ``init_full_state(args, seed)``: identical to the single-process model of the same seed."""
     with torch.device("meta"):
-        model = MoEModel(args, ep_rank=ep_rank, ep_size=ep_size)
+        model = MoEModel(args, ep_rank=ep_rank, ep_size=ep_size, slots=slots)
     keep = set(spec.layers)
     for i in range(args.layers):
         if i not in keep:
@@ -349,7 +349,12 @@ class StageRunner:
         self.device = device or torch.device("cpu")
         lo = groups.layout
         self.seed = seed
-        self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device)
+        from k3sched.balance import placement_for as expert_placement
+
+        self.placement = expert_placement(cfg)  # [Note: expert placement] in k3sched/balance.py
+        self._replicated = self.placement.replicated()
+        self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device,
+                                       slots=self.placement.slots)
         self.params = [p for p in self.model.parameters()]
         self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
                                       copy_delay_s=copy_delay_s, remote_group=remote_group,
@@ -719,8 +724,42 @@ class StageRunner:
         expert = [p for n, p in bucket if MoEModel.is_expert_param(n)]
         _allreduce_grads(dense, self.groups.dense)
         _allreduce_grads(expert, self.groups.expert)
+        if self._replicated and expert:
+            self._sum_replicas(expert, self.model.layers[t.layer].local_experts)
         for n, p in bucket:
             handoff.write(p.grad, f"L{t.layer}.{n}.grad")
+
+    def _sum_replicas(self, params: list[nn.Parameter], local_experts: tuple[int, ...]) -> None:
+        """[Note: expert placement] (k3sched/balance.py) Sum the gradients of every replicated expert's replicas (after
+        the DP reduction, so each replica holds its dp-summed slice) over the stage's EP x DP ranks
+        and give each replica the sum: one gradient per expert, as without replicas. Only the dp-0
+        replica contributes, so the DP sum is not counted twice; identical gradients and identical
+        initial weights keep the replicas identical under AdamW."""
+        rep = {e: i for i, e in enumerate(self._replicated)}
+        mine = [(s, rep[e]) for s, e in enumerate(local_experts) if e in rep]
+        contribute = self.groups.layout.dp_idx == 0
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            buf = p.grad.new_zeros((len(rep),) + tuple(p.shape[1:]))
+            if contribute:
+                for s_, i in mine:
+                    buf[i] += p.grad[s_]
+            if self.groups.dense is not None:
+                dist.all_reduce(buf, group=self.groups.dense)
+            for s_, i in mine:
+                p.grad[s_].copy_(buf[i])
+
+    def routing_counts(self) -> dict[int, tuple[list[int], list[int]]]:
+        """This rank's routed slots since the last call, per MoE layer of the stage: (per expert,
+        per global slot); the counters restart."""
+        out = {}
+        for L in self.spec.layers:
+            block = self.model.layers[L]
+            if getattr(block, "is_moe", False):
+                out[L] = (block.routed_E.tolist(), block.routed_G.tolist())
+                block.reset_routing_counts()
+        return out
 
     def _offload(self, t: PlanTask) -> None:
         self.acts.offload_local(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)

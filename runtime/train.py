@@ -197,6 +197,11 @@ def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: i
 
     if args.save_every < 0:
         raise UserError(f"--save-every: must be 0 (never) or a number of steps >= 1; got {args.save_every}")
+    if (args.save_every or args.resume) and not all(b.identity_slots for b in runner.model.layers
+                                                    if getattr(b, "is_moe", False)):
+        raise UserError("--save-every / --resume: checkpoints store experts by their contiguous EP slice; not "
+                        "supported with redundant experts or an expert placement (parallel.redundant_experts, "
+                        "schedule.expert_placement)")
     group = ck.make_group(timedelta(seconds=args.timeout)) if (args.save_every or args.resume) else None
     cp = ck.Checkpointer(runner, out=out, cfg=cfg, seed=seed, rank=rank, world=world, every=args.save_every,
                          mode=args.save_mode, group=group)
@@ -270,6 +275,43 @@ def _run_step(ex, runner, rc, step: int, device):
     if float(n):
         _hard_exit(1)  # another rank reports its races
     return record, contrib
+
+
+def _routing_summary(cfg, runner, per_step: list[dict], steps: list[int], device) -> dict | None:
+    """Every rank: tokens routed per expert and per slot (replica), per step and MoE layer, summed
+    over the ranks (each rank counts the slots it routes), with each EP rank's load and the imbalance
+    (max over mean per EP rank; ``imbalance_contiguous``: the same tokens on the contiguous placement,
+    i.e. without replicas). summary.json ``routing``; None without MoE layers."""
+    import torch
+    import torch.distributed as dist
+
+    from k3sched.balance import contiguous, imbalance
+
+    m, pl = cfg.model, runner.placement
+    moe_layers = [L for L in range(m.layers) if m.is_moe(L)]
+    if not moe_layers:
+        return None
+    E, G = m.experts, pl.ep * pl.per_rank
+    buf = torch.zeros(len(per_step), len(moe_layers), E + G, dtype=torch.float64)
+    for i, counts in enumerate(per_step):
+        for L, (per_e, per_g) in counts.items():
+            buf[i, moe_layers.index(L)] = torch.tensor(per_e + per_g, dtype=torch.float64)
+    if dist.is_initialized():
+        buf = buf.to(device)
+        dist.all_reduce(buf)
+        buf = buf.cpu()
+    tpe = [[[int(x) for x in row[:E]] for row in step] for step in buf.tolist()]
+    tps = [[[int(x) for x in row[E:]] for row in step] for step in buf.tolist()]
+    rank_tokens = [[[sum(row[r * pl.per_rank:(r + 1) * pl.per_rank]) for r in range(pl.ep)] for row in step]
+                   for step in tps]
+    flat = contiguous(E, pl.ep)
+    imb = [[imbalance(rt) for rt in step] for step in rank_tokens]
+    imb0 = [[imbalance(flat.rank_loads(row)) for row in step] for step in tpe]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 1.0  # noqa: E731
+    return {"experts": E, "ep": pl.ep, "redundant": pl.redundant, "layers": moe_layers, "steps": steps,
+            "slots": [list(r) for r in pl.slots], "tokens_per_expert": tpe, "tokens_per_slot": tps,
+            "rank_tokens": rank_tokens, "imbalance": imb, "imbalance_mean": mean([x for s in imb for x in s]),
+            "imbalance_contiguous": imb0, "imbalance_contiguous_mean": mean([x for s in imb0 for x in s])}
 
 
 def _race_totals(rc, rank: int, device) -> dict | None:
@@ -401,6 +443,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     losses, times, record = [], [], None
     peaks: list[int] = []
     walls: list[float] = []
+    routed: list[dict] = []  # per step: this rank's routing counts per MoE layer
     try:
         for step in range(first_step, args.steps):
             t_wall = time.perf_counter()
@@ -409,6 +452,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             runner.capture_grads = args.dump_grads and step == first_step
             runner.begin_step(step)
             record, contrib = _run_step(ex, runner, rc, step, device)
+            routed.append(runner.routing_counts())
             if runner.captured is not None:
                 torch.save(runner.captured, out / f"grads_rank{rank}.pt")
                 runner.captured = None
@@ -446,6 +490,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
             trace["otherData"]["memory_samples_missed"] = runner.memory.missed_samples
             trace["otherData"]["plan_peak_device_bytes"] = planned_peak
+            if routed and routed[-1]:  # this rank's routed slots in the traced step
+                trace["otherData"]["routing"] = {str(L): {"tokens_per_expert": e, "tokens_per_slot": g}
+                                                 for L, (e, g) in routed[-1].items()}
             (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
     finally:
         ex.close()
@@ -459,6 +506,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         dist.all_gather(mems, mem.to(device))
     mems = [[int(x) for x in m.cpu().tolist()] for m in mems]
     race_doc = _race_totals(rc, rank, device)
+    routing_doc = _routing_summary(cfg, runner, routed, list(range(first_step, first_step + len(routed))), device)
     ckpt_s = torch.tensor([ckpt.summary()["blocking_s"]], dtype=torch.float64)
     if dist.is_initialized():
         ckpt_s = ckpt_s.to(device)
@@ -487,6 +535,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             "step_wall_s": walls, "checkpoint_s": float(ckpt_s), "checkpoint": ckpt.summary(),
             "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
         }
+        if routing_doc is not None:
+            summary["routing"] = routing_doc
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if show:
         steady = sorted(times[1:] or times)
@@ -498,6 +548,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
             f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r).pp_idx] / 2**20:.2f}"
             for r, m in enumerate(mems)))
+        if routing_doc is not None:
+            console.print(f"routing imbalance (max / mean tokens per EP rank, mean over steps and MoE layers): "
+                          f"{routing_doc['imbalance_mean']:.3f} (on the contiguous placement: "
+                          f"{routing_doc['imbalance_contiguous_mean']:.3f})")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
