@@ -52,7 +52,7 @@ PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "lau
 
 def probe_hardware(work: Path) -> dict:
     """Compute-side numbers of this machine and the model's operator profile (``k3sched probe``,
-    no testbed; [Note: operator profile] in runtime/probe.py), and the per-call latency of gloo
+    no testbed; [Note: operator profile] in runtime/probe/inprocess.py), and the per-call latency of gloo
     inside the testbed (two ranks, one per emulated node)."""
     from k3sched.config import load_config
     from runtime.probe import probe, write_ops_profile

@@ -563,7 +563,7 @@ def probe(
 ) -> None:
     """Measure this machine (GEMM rate at the model's shapes in one thread, per-task overhead, memory
     copy, offload copy, collective bus bandwidth and latency over NPROC ranks) and write the
-    hardware section the cost model reads. See [Note: what the probe measures] in runtime/probe.py."""
+    hardware section the cost model reads. See [Note: what the probe measures] in runtime/probe/__init__.py."""
     if nproc < 2:
         fail(f"--nproc: the collective measurements need at least 2 ranks; got {nproc}")
     if nproc > 64:
