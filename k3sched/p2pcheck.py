@@ -226,47 +226,33 @@ class Result:
     transfers: int = 0
 
 
-def analyse(plan, comms: str = "directed") -> Result:
-    """Run the [Note: NCCL P2P model] on a plan.json dict or a Plan object."""
-    if comms not in COMM_POLICIES:
-        raise ValueError(f"comms: one of {', '.join(COMM_POLICIES)}; got {comms!r}")
-    v = _view(plan)
-    _local_start_deps(v)
-    try:
-        deps = {}
-        for s in v.lanes:
-            deps.update(_stage_deps(v, s))
-    except P2PDeadlock as e:
-        return Result(str(e))
-    task = {t.id: t for lanes in v.lanes.values() for ts in lanes.values() for t in ts}
-    lane_prev: dict[str, str | None] = {}
-    for lanes in v.lanes.values():
-        for ts in lanes.values():
-            for i, t in enumerate(ts):
-                lane_prev[t.id] = ts[i - 1].id if i else None
+class _Mismatch(Exception):
+    """A transfer without its partner, or two paired out of order: the plan cannot run."""
 
-    # -- transfers: partners (from the receive's dependency on its send) and communicators --------
+
+def _partners(task: dict[str, _T]) -> dict[str, str]:
+    """Send <-> receive, from each receive's dependency on its send (on another stage)."""
     partner: dict[str, str] = {}
     for t in task.values():
         if t.kind in RECV_KINDS:
             want = PARTNER[t.kind]
             sends = [d for d in t.deps if d in task and task[d].kind is want and task[d].stage != t.stage]
             if len(sends) != 1:
-                return Result(f"{t.id} (stage {t.stage}): {'no' if not sends else 'more than one'} matching "
-                              f"{want.value} on another stage among its dependencies")
+                raise _Mismatch(f"{t.id} (stage {t.stage}): {'no' if not sends else 'more than one'} matching "
+                                f"{want.value} on another stage among its dependencies")
             if sends[0] in partner:
-                return Result(f"{sends[0]} is received twice: by {partner[sends[0]]} and {t.id}")
+                raise _Mismatch(f"{sends[0]} is received twice: by {partner[sends[0]]} and {t.id}")
             partner[sends[0]], partner[t.id] = t.id, sends[0]
     for t in task.values():
         if t.kind in SEND_KINDS and t.id not in partner:
-            return Result(f"{t.id} (stage {t.stage}): no stage receives it (a send without a matching receive "
-                          "never completes)")
-    comm: dict[str, str] = {}
-    for tid, p in partner.items():
-        t = task[tid]
-        src, dst = (t.stage, task[p].stage) if t.kind in SEND_KINDS else (task[p].stage, t.stage)
-        comm[tid] = _comm(t.kind, src, dst, comms)
-    # NCCL matching: the k-th send a->b on a communicator meets b's k-th receive from a on it
+            raise _Mismatch(f"{t.id} (stage {t.stage}): no stage receives it (a send without a matching receive "
+                            "never completes)")
+    return partner
+
+
+def _match_by_order(v: _View, task: dict[str, _T], partner: dict[str, str], comm: dict[str, str]) -> dict[str, str]:
+    """NCCL matching: the k-th send a->b on a communicator meets b's k-th receive from a on it;
+    raises :class:`_Mismatch` where that is not the planned partner."""
     sent: dict[tuple, list[str]] = {}
     recvd: dict[tuple, list[str]] = {}
     for s in sorted(v.lanes):
@@ -284,95 +270,153 @@ def analyse(plan, comms: str = "directed") -> Result:
         c, a, b = key
         for k, (x, y) in enumerate(zip(ids, got)):
             if partner[x] != y:
-                return Result(f"communicator {c}: transfer #{k} from stage {a} to stage {b} is {x} on "
-                              f"stage {a} but {y} on stage {b} (NCCL pairs them by order, not tag)")
+                raise _Mismatch(f"communicator {c}: transfer #{k} from stage {a} to stage {b} is {x} on "
+                                f"stage {a} but {y} on stage {b} (NCCL pairs them by order, not tag)")
             match[x], match[y] = y, x
-    # -- abstract execution ------------------------------------------------------------------------
-    started: set[str] = set()
-    done: set[str] = set()
-    complete: set[str] = set()
-    queues: dict[tuple[int, str], deque] = {}
-    pos = {(s, lane): 0 for s in v.lanes for lane in LANES}
+    return match
 
-    def ready(t: _T) -> bool:
-        return all(d in done for d in deps[t.id]) and all(d in started for d in t.start_deps)
 
-    changed = True
-    while changed:
+@dataclass
+class _Run:
+    """The abstract execution of [Note: NCCL P2P model]: lanes run in order; a transfer task
+    blocks its lane until its transfer completed, and a transfer completes when it is at the head
+    of its communicator queue on both ranks."""
+
+    v: _View
+    task: dict[str, _T]
+    deps: dict[str, list[str]]
+    comm: dict[str, str]
+    match: dict[str, str]
+    started: set[str] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)
+    complete: set[str] = field(default_factory=set)
+    queues: dict[tuple[int, str], deque] = field(default_factory=dict)
+
+    def ready(self, t: _T) -> bool:
+        return all(d in self.done for d in self.deps[t.id]) and all(d in self.started for d in t.start_deps)
+
+    def _advance_lane(self, s: int, ts: list[_T], i: int) -> tuple[int, bool]:
+        """Start and finish tasks of one lane from position ``i``: (the new position, whether a
+        task started: a start can make a start dependency elsewhere ready)."""
+        began = False
+        while i < len(ts):
+            t = ts[i]
+            if t.id not in self.started:
+                if not self.ready(t):
+                    break
+                self.started.add(t.id)
+                began = True
+                if t.id in self.comm:
+                    self.queues.setdefault((s, self.comm[t.id]), deque()).append(t.id)
+            if t.id in self.comm and t.kind not in POSTED_ONLY and t.id not in self.complete:
+                break
+            self.done.add(t.id)
+            i += 1
+        return i, began
+
+    def _complete_heads(self) -> bool:
+        """Complete every transfer at the head of its queue on both ranks; whether any did."""
         changed = False
-        for s, lanes in v.lanes.items():
-            for lane in LANES:
-                ts, i = lanes[lane], pos[(s, lane)]
-                while i < len(ts):
-                    t = ts[i]
-                    if t.id not in started:
-                        if not ready(t):
-                            break
-                        started.add(t.id)
-                        changed = True
-                        if t.id in comm:
-                            queues.setdefault((s, comm[t.id]), deque()).append(t.id)
-                    if t.id in comm and t.kind not in POSTED_ONLY and t.id not in complete:
-                        break
-                    done.add(t.id)
-                    i += 1
-                if i != pos[(s, lane)]:
-                    pos[(s, lane)] = i
-                    changed = True
-        for (s, c), q in queues.items():
+        for (s, c), q in self.queues.items():
             while q:
                 x = q[0]
-                if task[x].kind not in SEND_KINDS:
+                if self.task[x].kind not in SEND_KINDS:
                     break
-                y = match[x]
-                qy = queues.get((task[y].stage, c))
+                y = self.match[x]
+                qy = self.queues.get((self.task[y].stage, c))
                 if not qy or qy[0] != y:
                     break
                 q.popleft()
                 qy.popleft()
-                complete.update((x, y))
+                self.complete.update((x, y))
                 changed = True
-    pending = [tid for tid in task if tid not in done or (tid in comm and tid not in complete)]
-    n = len(partner) // 2
-    if not pending:
-        return Result(None, transfers=n)
+        return changed
 
-    # -- the wait-for cycle ----------------------------------------------------------------------------
-    def waits(tid: str) -> tuple[str, str]:
+    def execute(self) -> list[str]:
+        """Run to a fixed point; the tasks left unfinished (or with a transfer not complete)."""
+        pos = {(s, lane): 0 for s in self.v.lanes for lane in LANES}
+        changed = True
+        while changed:
+            changed = False
+            for s, lanes in self.v.lanes.items():
+                for lane in LANES:
+                    i, began = self._advance_lane(s, lanes[lane], pos[(s, lane)])
+                    if began or i != pos[(s, lane)]:
+                        pos[(s, lane)], changed = i, True
+            changed = self._complete_heads() or changed
+        return [tid for tid in self.task if tid not in self.done or (tid in self.comm and tid not in self.complete)]
+
+    def waits(self, tid: str, lane_prev: dict[str, str | None]) -> tuple[str, str]:
         """(the task ``tid`` waits for, why) of a task not finished or a transfer not complete."""
-        t = task[tid]
-        if tid not in started:
+        t = self.task[tid]
+        if tid not in self.started:
             prev = lane_prev[tid]
-            if prev is not None and prev not in done:
+            if prev is not None and prev not in self.done:
                 return prev, f"before it on the {t.lane} lane"
-            for d in deps[tid]:
-                if d not in done:
+            for d in self.deps[tid]:
+                if d not in self.done:
                     return d, "its dependency" if d in t.deps else "the link token before it"
             for d in t.start_deps:
-                if d not in started:
+                if d not in self.started:
                     return d, "its start dependency"
             raise AssertionError(f"{tid} is ready but did not start")  # pragma: no cover
-        c = comm[tid]
-        q = queues[(t.stage, c)]
+        c = self.comm[tid]
+        q = self.queues[(t.stage, c)]
         k = q.index(tid)
         if k:
             return q[k - 1], f"issued before it on communicator {c}"
-        y = match[tid]
+        y = self.match[tid]
         other = "receive" if t.kind in SEND_KINDS else "send"
-        if y not in started:
+        if y not in self.started:
             return y, f"its matching {other}, not posted"
-        qy = queues[(task[y].stage, c)]
+        qy = self.queues[(self.task[y].stage, c)]
         return qy[qy.index(y) - 1], f"issued before its matching {other} {y} on communicator {c}"
 
-    seen: dict[str, int] = {}
-    path: list[tuple[str, str]] = []
-    cur = min(pending, key=lambda tid: (task[tid].start_us, tid))
-    while cur not in seen:
-        seen[cur] = len(path)
-        nxt, why = waits(cur)
-        path.append((nxt, why))
-        cur = nxt
-    cyc = path[seen[cur]:]  # (task, why the one before it waits for it), closing on ``cur``
+    def cycle(self, pending: list[str]) -> tuple[str, list[tuple[str, str]]]:
+        """The wait-for cycle reached from the earliest-planned pending task: (its first task,
+        [(task, why the one before it waits for it)], closing on the first)."""
+        lane_prev: dict[str, str | None] = {}
+        for lanes in self.v.lanes.values():
+            for ts in lanes.values():
+                for i, t in enumerate(ts):
+                    lane_prev[t.id] = ts[i - 1].id if i else None
+        seen: dict[str, int] = {}
+        path: list[tuple[str, str]] = []
+        cur = min(pending, key=lambda tid: (self.task[tid].start_us, tid))
+        while cur not in seen:
+            seen[cur] = len(path)
+            nxt, why = self.waits(cur, lane_prev)
+            path.append((nxt, why))
+            cur = nxt
+        return cur, path[seen[cur]:]
+
+
+def analyse(plan, comms: str = "directed") -> Result:
+    """Run the [Note: NCCL P2P model] on a plan.json dict or a Plan object."""
+    if comms not in COMM_POLICIES:
+        raise ValueError(f"comms: one of {', '.join(COMM_POLICIES)}; got {comms!r}")
+    v = _view(plan)
+    _local_start_deps(v)
+    task = {t.id: t for lanes in v.lanes.values() for ts in lanes.values() for t in ts}
+    try:
+        deps = {}
+        for s in v.lanes:
+            deps.update(_stage_deps(v, s))
+        partner = _partners(task)
+        comm: dict[str, str] = {}
+        for tid, p in partner.items():
+            t = task[tid]
+            src, dst = (t.stage, task[p].stage) if t.kind in SEND_KINDS else (task[p].stage, t.stage)
+            comm[tid] = _comm(t.kind, src, dst, comms)
+        match = _match_by_order(v, task, partner, comm)
+    except (P2PDeadlock, _Mismatch) as e:
+        return Result(str(e))
+    run = _Run(v, task, deps, comm, match)
+    pending = run.execute()
+    n = len(partner) // 2
+    if not pending:
+        return Result(None, transfers=n)
+    cur, cyc = run.cycle(pending)
     ids = [cur] + [tid for tid, _ in cyc]
     stages = sorted({task[tid].stage for tid in ids})
     text = cur + "".join(f" -> {tid} [{why}]" for tid, why in cyc)
