@@ -32,16 +32,21 @@ and run agree with no file at all. The file (YAML, written by ``k3sched balance`
 [Note: balancing] :func:`balance` follows DeepSeek's EPLB: the ``ep * redundant`` extra slots go
 one by one to the expert with the largest load per replica; the replicas are then packed, heaviest
 first, onto the least-loaded rank with a free slot that does not hold that expert yet. When
-``gpus_per_node`` splits the EP group into nodes, it first packs the experts onto nodes (equal
+``gpus_per_node`` (> 1) splits the EP group into nodes, it first packs the experts onto nodes (equal
 counts, balanced load) and then replicates and packs within each node, so a hot expert's replicas
-stay inside one node and its traffic does not cross the NIC more than before.
+stay inside one node and its traffic does not cross the NIC more than before. With one rank per
+node, or more slots per rank than a node has experts, it balances over the whole group.
 
 [Note: skewed cost] Each EP rank's share ``s_r`` of the routed tokens is the sum over its slots of
 ``load(e) / replicas(e)`` over the total. Its expert GEMMs see ``ep * s_r`` times the balanced
 token count, and an all-to-all ends when its busiest rank does: rank r receives
 ``(ep - 1) * s_r`` and sends ``1 - s_r`` of a balanced rank's ``T k`` rows, so the wire carries
 ``max_r max((ep - 1) s_r, 1 - s_r) / ((ep - 1) / ep)`` times the balanced bytes. Both factors are
-1 under uniform routing and a contiguous placement.
+1 under uniform routing and a contiguous placement. A measured profile's expert durations are
+taken as measured under balanced routing and scaled the same way, so calibrate from a run without
+skew (or one whose placement balances it). The replicas' gradient sum adds one all-reduce of the
+replicated experts' parameters over the stage's EP x DP ranks to each MoE layer's grad.rs. Not
+modelled: the busiest rank's larger expert activations (memory is costed at balanced routing).
 """
 
 from __future__ import annotations
@@ -161,11 +166,12 @@ def balance(loads: list[float], ep: int, redundant: int, gpus_per_node: int = 0)
     if ep < 1 or E % ep:
         raise ValueError(f"ep ({ep}) must divide the expert count ({E})")
     per = E // ep + redundant
-    g = gpus_per_node if 0 < gpus_per_node < ep and ep % gpus_per_node == 0 else ep
+    if per > E:
+        raise ValueError(f"{per} slots per rank but only {E} experts: at most {E - E // ep} redundant slots")
+    g = gpus_per_node if 1 < gpus_per_node < ep and ep % gpus_per_node == 0 else ep
+    if per > E // (ep // g):  # a node's ranks cannot hold that many replicas of its own experts
+        g = ep
     nodes = ep // g
-    if per > E // nodes:
-        raise ValueError(f"{per} slots per rank but only {E // nodes} experts per node: at most "
-                         f"{E // nodes - E // ep} redundant slots")
     if nodes > 1:
         groups = _pack([(float(loads[e]), e) for e in range(E)], nodes, E // nodes)
     else:

@@ -87,6 +87,9 @@ def test_hierarchical_keeps_replicas_inside_a_node() -> None:
     assert imbalance(pl.rank_loads(loads)) < imbalance(contiguous(E, ep).rank_loads(loads))
     flat = balance(loads, ep, 2, gpus_per_node=8)  # one node: the flat algorithm
     assert imbalance(flat.rank_loads(loads)) <= imbalance(pl.rank_loads(loads)) + 1e-12
+    # one rank per node, or a node too small for its replicas: balanced over the whole group
+    assert balance(loads, ep, 2, gpus_per_node=1) == flat
+    assert balance(loads, ep, 7, gpus_per_node=2) == balance(loads, ep, 7)
 
 
 def test_balance_refuses_more_slots_than_experts() -> None:
