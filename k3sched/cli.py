@@ -263,6 +263,13 @@ def plan(
     except P2PDeadlock as e:
         fail(str(e))
     console.print(summary_table(p))
+    if cfg.parallel.world > 1:
+        from .compare import p2p_pairs
+        from .placement import RankOrder, describe
+
+        ro = RankOrder(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.order)
+        for line in describe(ro, cfg.hardware.gpus_per_node, p2p_pairs(cfg)):
+            console.print(line, highlight=False, markup=False)
     if timeline:
         from .render import ascii_timeline
 
@@ -319,11 +326,20 @@ def compare(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE."),
     wide: bool = typer.Option(False, "--wide", help="Every column (per-stage peaks, ms and %, notes in the table); "
                                                     "default: a table within 120 columns."),
+    orders: bool = typer.Option(False, "--orders", help="Instead: plan the config under every rank order "
+                                                        "(parallel.order) and list each with its predicted step and "
+                                                        "the link of each group (k3sched/placement.py)."),
 ) -> None:
     """Plan one config under every pipeline schedule (k3) and serial; print a comparison table."""
     from .compare import compare_command
 
-    _load(config, set_)
+    cfg = _load(config, set_)
+    if orders:
+        from .compare import compare_orders, render_orders
+
+        rows = compare_orders(cfg)
+        console.print(render_orders(rows, cfg.parallel.order))
+        raise typer.Exit(0 if any(r.step_us is not None for r in rows) else 1)
     _check_out("--out", out, directory=True)
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else None
     cols = shutil.get_terminal_size((120, 24)).columns
@@ -463,6 +479,48 @@ def calibrate(
         fail(str(e))
     print(render(fit))
     console.print(f"wrote {out} (plan with --set schedule.profile={out})", highlight=False)
+
+
+@command()
+def rebalance(
+    run: Path = typer.Argument(..., help="A run directory (k3sched run --out): plan.json and trace_rank*.json."),
+    out: Path = typer.Option(..., "-o", "--out", help="Config YAML to write (parallel.layer_split: profile); the "
+                                                      "measured per-layer profile goes beside it "
+                                                      "(NAME.profile.yaml)."),
+) -> None:
+    """Propose a layer split from a recorded run's measured per-layer times ([Note: profile split] in
+    k3sched/rebalance.py): print per-stage time before and after and the planner's predicted step;
+    write the config (run it to measure the gain)."""
+    _check_out("-o", out)
+    if not run.is_dir():
+        fail(f"{run}: not a run directory; allowed: a directory written by k3sched run --out (plan.json, "
+             f"trace_rank*.json)")
+    traces = sorted(run.glob("trace_rank*.json"))
+    if not (run / "plan.json").is_file() or not traces:
+        fail(f"{run}: no plan.json and trace_rank*.json; allowed: a directory written by k3sched run --out")
+    from traces.events import TraceError
+
+    from traces.cli import read_trace_files
+    from traces.validate import load_plan
+
+    from . import rebalance as rb
+
+    try:
+        doc = load_plan(run / "plan.json")
+        events = read_trace_files([str(t) for t in traces], prog="k3sched rebalance")
+        if not {"model", "parallel", "hardware", "schedule"} <= set(doc.get("config") or {}):
+            fail(f"{run / 'plan.json'}: its config has no model/parallel/hardware/schedule sections; allowed: a "
+                 f"plan written by k3sched run")
+        times = rb.measure(doc, events)
+    except (TraceError, ValueError) as e:
+        fail(str(e))
+    profile = out.with_name(out.stem + ".profile.yaml")
+    rb.write_profile(times, profile, str(run))
+    prop = rb.propose(doc, times, str(profile))
+    rb.write_config(prop, out, str(run))
+    for line in rb.render(prop):
+        print(line)
+    console.print(f"wrote {out} and {profile} (k3sched run {out} to measure the new split)", highlight=False)
 
 
 @command()

@@ -256,3 +256,84 @@ def compare_command(config_path: str | Path, schedules: list[str] | None, out: P
         for path in write_compare(rows, None, out):
             console.print(f"wrote {path}", highlight=False)
     return 0 if any(r.ok for r in rows) else 1
+
+
+# -- rank orders (``k3sched compare --orders``) -----------------------------------------------
+
+@dataclass
+class OrderRow:
+    """One rank order of a config ([Note: rank order] in k3sched/placement.py): its predicted step
+    (k3 on the config's own pipeline) and the link each group gets."""
+
+    order: str
+    step_us: float | None = None
+    links: dict[str, str] = field(default_factory=dict)  # group kind -> "NVLink" | "NIC" | "-"
+    p2p_nvlink_pairs: int = 0
+    p2p_nic_pairs: int = 0
+    error: str | None = None
+
+
+def p2p_pairs(cfg: Config) -> list[tuple[int, int]]:
+    """The (sending, receiving) stage pairs of a config's forward transfers (its placement's
+    adjacent virtual stages on different ranks)."""
+    from .graph import placement_for
+
+    pl = placement_for(cfg)
+    ranks = [pl.locate(v)[0] for v in range(pl.num_stages)]
+    if cfg.schedule.pipeline in ("dualpipe", "chimera"):  # two model copies ([Note: dualpipe mapping])
+        pp = cfg.parallel.pp
+        chains = [ranks[:pp], ranks[pp:]]
+    else:
+        chains = [ranks]
+    return sorted({(a, b) for ch in chains for a, b in zip(ch, ch[1:]) if a != b})
+
+
+def compare_orders(cfg: Config, orders: list[str] | None = None) -> list[OrderRow]:
+    """Plan ``cfg`` (k3) under each rank order (default: every one, :data:`placement.ALL_ORDERS`);
+    an invalid name raises ConfigError naming it."""
+    from .placement import ALL_ORDERS, RankOrder, group_placement, order_error, stage_pair_crosses
+    from .planner import plan
+
+    names = list(ALL_ORDERS) if orders is None else list(orders)
+    for n in names:
+        err = order_error(n)
+        if err:
+            raise ConfigError(f"--orders: {err}")
+    gpn = cfg.hardware.gpus_per_node
+    pairs = p2p_pairs(cfg)
+    rows = []
+    for name in names:
+        row = OrderRow(name)
+        data = cfg.to_dict()
+        data["parallel"] = {**data["parallel"], "order": name}
+        try:
+            c = config_from_dict(data)
+            row.step_us = float(plan(c).metrics["step_time_us"])
+        except ValueError as e:
+            row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        ro = RankOrder(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep, name)
+        for kind, g in group_placement(ro, gpn).items():
+            if kind != "p2p":
+                row.links[kind] = "-" if g.size < 2 else ("NIC" if g.crosses else "NVLink")
+        cross = sum(stage_pair_crosses(ro, gpn, a, b) for a, b in pairs)
+        row.p2p_nic_pairs, row.p2p_nvlink_pairs = cross, len(pairs) - cross
+        rows.append(row)
+    return rows
+
+
+def render_orders(rows: list[OrderRow], current: str) -> "Table":
+    from rich.table import Table
+
+    t = Table(title="rank orders (innermost first), k3 on the config's pipeline", title_justify="left")
+    for name in ("order", "step ms", "vs current", "EP a2a", "DP dense", "DP expert", "P2P pairs NVLink/NIC"):
+        t.add_column(name, justify="right" if name != "order" else "left", no_wrap=True)
+    cur = next((r.step_us for r in rows if r.order == current and r.step_us), None)
+    for r in rows:
+        mark = " (current)" if r.order == current else ""
+        if r.step_us is None:
+            t.add_row(r.order + mark, "error", r.error or "", "", "", "", "")
+            continue
+        vs = f"{(r.step_us / cur - 1) * 100:+.1f}%" if cur else ""
+        t.add_row(r.order + mark, f"{r.step_us / 1e3:.3f}", vs, r.links.get("ep", "-"), r.links.get("dense", "-"),
+                  r.links.get("expert", "-"), f"{r.p2p_nvlink_pairs}/{r.p2p_nic_pairs}")
+    return t

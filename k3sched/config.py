@@ -135,9 +135,20 @@ class ParallelConfig(_Section):
     """Data-parallel replicas of the PP x EP group (gradients reduce-scattered over dp), 1..1048576."""
     microbatches: int = _int(1, 65536, default=1)
     """Micro-batches per training step, 1..65536 (and the plan within ``schedule.max_tasks``)."""
-    layer_split: Literal["balanced", "even"] = "balanced"
+    layer_split: Literal["balanced", "even", "profile"] = "balanced"
     """How layers are split over virtual stages: balanced by compute time (embedding and head
-    counted) or even by count."""
+    counted), even by count, or profile: by the measured per-layer times (``layer_us``, embedding,
+    head, exposed P2P) of ``schedule.profile`` (``k3sched rebalance`` writes one;
+    k3sched/rebalance.py). ``stage_layers``, when set, is used instead."""
+    stage_layers: list[int] | None = None
+    """Optional: layers of each virtual stage in model order (pp*vpp counts summing to model.layers;
+    only the first and the last may be 0), e.g. [3, 1]; overrides ``layer_split``. Left out of
+    plan.json's config when unset."""
+    order: str = "ep-dp-pp"
+    """Rank order as Megatron's --order, innermost dimension first: a permutation of ep, dp, pp
+    joined by '-' (ep-dp-pp: EP groups on consecutive ranks, then DP, then PP stages; pp-ep-dp:
+    adjacent stages on consecutive ranks). Links are priced from it (k3sched/placement.py) and the
+    runtime builds its groups from it. Left out of plan.json's config when ep-dp-pp."""
     world_size: int | None = _int(1, 1 << 40, default=None)
     """Optional: the job's world size; must equal pp * ep * dp."""
     redundant_experts: int = _int(0, 65536, default=0)
@@ -147,6 +158,10 @@ class ParallelConfig(_Section):
     @model_serializer(mode="wrap")
     def _drop_defaults(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
+        if self.stage_layers is None:
+            out.pop("stage_layers", None)
+        if self.order == "ep-dp-pp":
+            out.pop("order", None)
         if not self.redundant_experts:
             out.pop("redundant_experts", None)
         return out
@@ -303,7 +318,21 @@ class Config(_Section):
         if p.world_size is not None and p.world_size != p.world:
             raise ValueError(f"parallel.world_size: must equal pp*ep*dp = {p.pp}*{p.ep}*{p.dp} = {p.world}; "
                              f"got {p.world_size}")
+        from .placement import order_error
+
+        bad_order = order_error(p.order)
+        if bad_order:
+            raise ValueError(f"parallel.order: {bad_order}")
         chunks = p.pp * p.vpp
+        if p.stage_layers is not None:
+            sl = p.stage_layers
+            if len(sl) != chunks or sum(sl) != m.layers or any(n < 0 for n in sl) or any(n < 1 for n in sl[1:-1]):
+                raise ValueError(f"parallel.stage_layers: must be pp*vpp = {chunks} layer counts summing to "
+                                 f"model.layers ({m.layers}), inner ones >= 1, first and last >= 0; got "
+                                 f"{show_value(sl)}")
+        if p.layer_split == "profile" and not self.schedule.profile:
+            raise ValueError("parallel.layer_split: profile needs schedule.profile (a profile with layer_us, "
+                             "written by k3sched rebalance); got no schedule.profile")
         if m.layers < chunks:
             raise ValueError(f"parallel.pp: pp*vpp = {chunks} model chunks need at least that many layers; "
                              f"model.layers is {m.layers}")

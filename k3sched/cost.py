@@ -37,6 +37,7 @@ number N (split like the analytic model). ``runtime.measure.write_profile`` meas
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from .config import Config, ConfigError, read_text_file, show_value, yaml_load
+from .placement import GroupPlacement, RankOrder, group_placement, stage_pair_crosses
 from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
 
 _FP8_A2A = frozenset({Kind.DISPATCH_FWD, Kind.DISPATCH_RE, Kind.COMBINE_BWD})
@@ -77,6 +79,13 @@ class Profile:
     that replaces ``hardware.launch_us`` in its duration (the wire time comes on top)."""
     comm_cpu_ns_per_byte: float | None = None
     """Fitted CPU cost of a transferred byte (replaces ``hardware.comm_cpu_ns_per_byte``)."""
+    layer_us: list[float] = field(default_factory=list)
+    """Measured time of each model layer per micro-batch (compute plus exposed EP), for
+    ``parallel.layer_split: profile`` ([Note: profile split] in k3sched/rebalance.py); empty: none."""
+    embed_us: float = 0.0
+    head_us: float = 0.0
+    p2p_us: float = 0.0
+    """Measured embedding, head (forward and backward) and exposed P2P receive time per micro-batch."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,10 @@ _ProfileDoc = create_model(
     **{name: (dict[Literal[names], _finite(low, low_open, high)], {})  # type: ignore[valid-type]
        for name, (names, _, low, low_open, high, _) in _PROFILE_MAPS.items()},
     comm_cpu_ns_per_byte=(_finite(*_CPU_NS), None),
+    layer_us=(Annotated[list[_finite(0.0, False, _MAX_US)], Field(max_length=4096)], []),  # type: ignore[valid-type]
+    embed_us=(_finite(0.0, False, _MAX_US), 0.0),
+    head_us=(_finite(0.0, False, _MAX_US), 0.0),
+    p2p_us=(_finite(0.0, False, _MAX_US), 0.0),
     saved_bytes=(dict[Literal[_SAVED_KINDS],  # type: ignore[valid-type]
                       Union[_Bytes, Annotated[list[_Bytes], Field(min_length=2, max_length=2)]]], {}),
 )
@@ -177,7 +190,9 @@ def load_profile(path: str | Path) -> Profile:
             raise ConfigError(f"{where}: saved_bytes: {k} must be one number of bytes (got {list(v)}); allowed: "
                               f"[w, x] pairs only for forward kinds ({', '.join(_FWD_SAVED)})")
     return Profile(dict(doc.durations_us), dict(doc.bandwidth_gbps), str(p), saved, dict(doc.latency_us),
-                   dict(doc.link_efficiency), dict(doc.overhead_us), doc.comm_cpu_ns_per_byte)
+                   dict(doc.link_efficiency), dict(doc.overhead_us), doc.comm_cpu_ns_per_byte,
+                   layer_us=[float(x) for x in doc.layer_us], embed_us=float(doc.embed_us),
+                   head_us=float(doc.head_us), p2p_us=float(doc.p2p_us))
 
 
 def _got(value: Any) -> str:
@@ -214,12 +229,21 @@ def _profile_error(err: ValidationError, data: dict) -> str:
         _, _, low, low_open, high, unit = _PROFILE_MAPS[section]
         return (f"{section}: {name} must be a finite number {_span(low, low_open, high)} (got {value}); "
                 f"allowed: {unit}, a finite number {_span(low, low_open, high)}")
+    if section in ("layer_us", "embed_us", "head_us", "p2p_us"):
+        what = ("a list of at most 4096 finite numbers >= 0 and <= 1e9, one per model layer"
+                if section == "layer_us" else "a finite number >= 0 and <= 1e9")
+        return f"{section}: {e['msg']} (got {_got(data.get(section))}); allowed: µs per micro-batch, {what}"
     if section == "comm_cpu_ns_per_byte":
         return (f"comm_cpu_ns_per_byte must be a finite number {_span(*_CPU_NS)} (got {_got(data.get(section))}); "
                 f"allowed: ns of CPU per byte sent or received")
     if section == "format":
         return f"format: unknown profile format (got {show_value(data.get(section))}); allowed: {PROFILE_FORMAT}"
     return f"{section}: {e['msg']} (got {show_value(data.get(section))}); allowed: a string"
+
+
+@functools.lru_cache(maxsize=64)
+def _placement(order: RankOrder, gpus_per_node: int) -> dict[str, GroupPlacement]:
+    return group_placement(order, gpus_per_node)
 
 
 class CostModel:
@@ -235,11 +259,15 @@ class CostModel:
         self.b = m.dtype_bytes
         self._flops_per_us = hw.peak_tflops * hw.mfu * 1e6  # TFLOP/s -> FLOP/µs
         gpn = hw.gpus_per_node
-        # Rank layout: ep innermost, then dp, then pp (EP groups on NVLink when ep <= gpus/node).
-        self.ep_link = self._link(p.ep <= gpn)
-        self.dp_dense_link = self._link(p.ep * p.dp <= gpn)
-        self.dp_expert_link = self._link(p.ep * p.dp <= gpn)
-        self.pp_link = self._link(p.ep * p.dp * 2 <= gpn)
+        # Links from the rank order's placement ([Note: rank order] in k3sched/placement.py): a
+        # group is on NVLink when all its ranks share a node; pp_link is the worst adjacent pair's.
+        self.order = RankOrder(p.pp, p.dp, p.ep, p.order)
+        self.place = _placement(self.order, gpn)
+        self.ep_link = self._link(not self.place["ep"].crosses)
+        self.dp_dense_link = self._link(not self.place["dense"].crosses)
+        self.dp_expert_link = self._link(not self.place["expert"].crosses)
+        self.pp_link = self._link(not self.place["p2p"].crosses)
+        self._pair_link: dict[tuple[int, int], tuple[float, float]] = {}
 
     # -- links -------------------------------------------------------------------------------
     def shared_links(self) -> list[tuple[str, ...]]:
@@ -250,10 +278,20 @@ class CostModel:
         as in [Note: serial execution]). Lanes over NVLink, or with nothing to send, share nothing."""
         p, hw = self.cfg.parallel, self.cfg.hardware
         nic = (hw.internode_gbps, hw.internode_latency_us)
-        ep = p.ep > 1 and self.ep_link == nic and p.ep > hw.gpus_per_node
-        coll = ((p.ep * p.dp > 1 and self.dp_dense_link == nic and p.ep * p.dp > hw.gpus_per_node)
+        ep = p.ep > 1 and self.ep_link == nic and self.place["ep"].crosses
+        coll = ((p.ep * p.dp > 1 and self.dp_dense_link == nic and self.place["dense"].crosses)
                 or (p.pp > 1 and self.pp_link == nic))
         return [("ep", "collective")] if ep and coll else []
+
+    def p2p_link(self, a: int, b: int) -> tuple[float, float]:
+        """(GB/s, latency µs) of a PP transfer between stages ``a`` and ``b``: NVLink when every
+        (dp, ep) column's two ranks share a node under ``parallel.order``, else the NIC."""
+        key = (min(a, b), max(a, b))
+        link = self._pair_link.get(key)
+        if link is None:
+            link = self._pair_link[key] = self._link(
+                not stage_pair_crosses(self.order, self.cfg.hardware.gpus_per_node, *key))
+        return link
 
     def _link(self, intra: bool) -> tuple[float, float]:
         hw = self.cfg.hardware
@@ -402,7 +440,7 @@ class CostModel:
         if ep == 1:
             return Wire()
         pb = self.a2a_payload_bytes(kind)
-        g = min(ep, hw.gpus_per_node)
+        g = self.place["ep"].ranks_per_node  # EP peers sharing a node (min(ep, gpus/node) for ep-dp-pp)
         if self._node_limited():
             nodes = ep / g
             row = self.T * m.hidden * pb
@@ -423,12 +461,16 @@ class CostModel:
         return Wire(steps=calls, terms=tuple((b * a2a, gbps) for b, gbps in terms), latency_us=lat)
 
 
-    def wire(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0) -> Wire | None:
-        """What a communication task puts on the wire ([Note: wire model]); None for other kinds."""
+    def wire(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0,
+             stages: tuple[int, int] | None = None) -> Wire | None:
+        """What a communication task puts on the wire ([Note: wire model]); None for other kinds.
+        ``stages``: a P2P receive's (sending, receiving) stage, priced on their link
+        (:meth:`p2p_link`); without it, the worst adjacent pair's (``pp_link``)."""
         if kind in (Kind.DISPATCH_FWD, Kind.COMBINE_FWD, Kind.COMBINE_BWD, Kind.DISPATCH_BWD, Kind.DISPATCH_RE):
             return self.a2a_wire(kind)
         if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
-            return Wire(steps=1, terms=((self.p2p_bytes(), self.pp_link[0]),), latency_us=self.pp_link[1])
+            link = self.pp_link if stages is None else self.p2p_link(*stages)
+            return Wire(steps=1, terms=((self.p2p_bytes(), link[0]),), latency_us=link[1])
         if kind is Kind.GRAD_RS:
             assert layer is not None
             return self.grad_wire(layer)
@@ -586,18 +628,21 @@ class CostModel:
         nonlayer = self.embed_params() * int(embed) + (self.embed_params() + self.cfg.model.hidden) * int(head)
         return sum(sum(self.layer_params(L)) for L in layers) + nonlayer, nonlayer
 
-    def duration_us(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0) -> float:
-        """Duration of one task. ``nbytes`` is the payload for copy kinds."""
-        return self.share(kind) * self._one_core_us(kind, layer, nbytes)
+    def duration_us(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0,
+                    stages: tuple[int, int] | None = None) -> float:
+        """Duration of one task. ``nbytes`` is the payload for copy kinds; ``stages`` the
+        (sending, receiving) stage of a P2P receive (:meth:`wire`)."""
+        return self.share(kind) * self._one_core_us(kind, layer, nbytes, stages)
 
-    def _one_core_us(self, kind: Kind, layer: int | None, nbytes: int) -> float:
+    def _one_core_us(self, kind: Kind, layer: int | None, nbytes: int,
+                     stages: tuple[int, int] | None = None) -> float:
         hw = self.cfg.hardware
         measured = self.profile.durations_us.get(kind.value)
         if measured is not None:  # measured at the profiled run's routing: balanced ([Note: skewed cost])
             return measured * (self.skew_factors()[0] if kind in _EXPERT_KINDS else 1.0)
         if kind in _GEMM:
             return hw.launch_us + self.flops(kind) / self._flops_per_us
-        w = self.wire(kind, layer=layer, nbytes=nbytes)
+        w = self.wire(kind, layer=layer, nbytes=nbytes, stages=stages)
         if w is not None:
             return self.overhead_us(kind) + self.wire_us(w, LANE_OF[kind])
         if kind in (Kind.FWD_SEND, Kind.BWD_SEND):  # posts the send; the bytes move in the receive

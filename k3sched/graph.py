@@ -49,10 +49,22 @@ def split_layers(cfg: Config) -> list[list[int]]:
     """Layers of each virtual stage for ``parallel.layer_split``: ``even`` (as even as possible,
     earlier vstages get the extra layer) or ``balanced`` (contiguous split minimising the largest
     vstage compute time, counting the embedding on the first and the output head on the last
-    vstage, which may then hold no layer at all -- the way 61-layer models leave room for the head)."""
+    vstage, which may then hold no layer at all -- the way 61-layer models leave room for the head),
+    or ``profile`` (the same, by the measured times of ``schedule.profile``, [Note: profile split] in
+    k3sched/rebalance.py); ``parallel.stage_layers``, when set, gives the counts outright."""
     nv = cfg.parallel.pp * cfg.parallel.vpp
+    if cfg.parallel.stage_layers is not None:
+        out, start = [], 0
+        for n in cfg.parallel.stage_layers:
+            out.append(list(range(start, start + n)))
+            start += n
+        return out
     if cfg.parallel.layer_split == "even":
         return layers_by_vstage(cfg.model.layers, nv)
+    if cfg.parallel.layer_split == "profile":
+        from .rebalance import profile_split, times_from_profile
+
+        return profile_split(times_from_profile(cfg), nv)
     cost = CostModel(cfg)
     fwd = {False: (Kind.ATTN_FWD, Kind.MLP_FWD), True: (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.EXPERT_FWD)}
     w = [sum(3 * cost.flops(k) for k in fwd[cfg.model.is_moe(L)]) for L in range(cfg.model.layers)]
@@ -240,7 +252,8 @@ class _Builder:
             prev = [self.add(Kind.EMBED_FWD, v, "F", m, scope_chunk=True)]
         elif self._rank[v - 1] != stage:
             prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, m)]],
-                             release=(self._rank[v - 1], self.cost.p2p_bytes()))]
+                             release=(self._rank[v - 1], self.cost.p2p_bytes()),
+                             duration=self.cost.duration_us(Kind.FWD_RECV, stages=(self._rank[v - 1], stage)))]
         else:
             prev = self.fwd_out[(v - 1, m)]
         for L in self.layers[v]:
@@ -324,7 +337,8 @@ class _Builder:
                      free=Mem(device=sv[Kind.HEAD_FWD][0] + dx_alloc(Kind.HEAD_DX)))
         elif self._rank[v + 1] != stage:
             up = self.add(Kind.BWD_RECV, v, "I", m, scope_chunk=True, deps=[self.send_b[(v + 1, m)]],
-                          release=(self._rank[v + 1], self.cost.p2p_bytes()))
+                          release=(self._rank[v + 1], self.cost.p2p_bytes()),
+                          duration=self.cost.duration_us(Kind.BWD_RECV, stages=(self._rank[v + 1], stage)))
         else:
             up = self.bwd_out[(v + 1, m)]
         layers = self.layers[v]

@@ -100,8 +100,9 @@ def _round_up(n: int) -> int:
 
 
 def split_steps(cfg: Config) -> int:
-    """DP steps of the balanced layer split (:func:`k3sched.graph._min_max_split`); 0 for ``even``."""
-    if cfg.parallel.layer_split != "balanced":
+    """DP steps of the balanced (or profile) layer split (:func:`k3sched.graph._min_max_split`); 0 for
+    ``even`` or explicit ``stage_layers``."""
+    if cfg.parallel.layer_split == "even" or cfg.parallel.stage_layers is not None:
         return 0
     n, parts = cfg.model.layers, cfg.parallel.pp * cfg.parallel.vpp
     return max(0, parts - 2) * (n + 1) * (n + 2) // 2 + n

@@ -1,9 +1,12 @@
 """Rank layout and process groups: one communicator per lane use, order checked at start-up.
 
 [Note: rank layout]
-ep innermost, then dp, then pp: ``rank = (pp_idx * dp + dp_idx) * ep + ep_idx`` (as
-k3sched.cost assumes: an EP group is ``ep`` consecutive ranks). The data replica of a rank is
-``replica = dp_idx * ep + ep_idx``: every (dp, ep) pair sees different tokens.
+``parallel.order`` ([Note: rank order] in k3sched/placement.py) maps ranks to (pp, dp, ep)
+coordinates; the default ``ep-dp-pp`` is ep innermost, then dp, then pp: ``rank = (pp_idx * dp +
+dp_idx) * ep + ep_idx`` (an EP group is ``ep`` consecutive ranks). The cost model prices the links
+from the same map. The data replica of a rank is ``replica = dp_idx * ep + ep_idx``: every (dp, ep)
+pair sees different tokens, whatever the order (coordinates, not rank numbers, choose data and
+model shards, so the order changes no number a run computes).
 
 Groups (``None`` where the group would have one rank):
   ep      ep lane          ranks with the same (pp, dp): EP dispatch / combine all-to-alls
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from k3sched.placement import DEFAULT_ORDER, RankOrder
 from k3sched.tasks import Kind, P2P_KINDS
 
 from .executor import PlanTask
@@ -60,6 +64,12 @@ class Layout:
     dp: int
     ep: int
     rank: int
+    order: str = DEFAULT_ORDER
+    """``parallel.order`` ([Note: rank layout])."""
+
+    @property
+    def ranks(self) -> RankOrder:
+        return RankOrder(self.pp, self.dp, self.ep, self.order)
 
     @property
     def world(self) -> int:
@@ -67,22 +77,22 @@ class Layout:
 
     @property
     def ep_idx(self) -> int:
-        return self.rank % self.ep
+        return self.ranks.coords(self.rank)[2]
 
     @property
     def dp_idx(self) -> int:
-        return (self.rank // self.ep) % self.dp
+        return self.ranks.coords(self.rank)[1]
 
     @property
     def pp_idx(self) -> int:
-        return self.rank // (self.ep * self.dp)
+        return self.ranks.coords(self.rank)[0]
 
     @property
     def replica(self) -> int:
         return self.dp_idx * self.ep + self.ep_idx
 
     def rank_of(self, pp_idx: int, dp_idx: int, ep_idx: int) -> int:
-        return (pp_idx * self.dp + dp_idx) * self.ep + ep_idx
+        return self.ranks.rank_of(pp_idx, dp_idx, ep_idx)
 
 
 @dataclass

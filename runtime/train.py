@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -376,7 +377,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     if world > 1 or os.environ.get("MASTER_ADDR"):
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timeout,
                                 **({"device_id": device} if use_cuda else {}))
-    lo = Layout(p.pp, p.dp, p.ep, rank)
+    lo = Layout(p.pp, p.dp, p.ep, rank, p.order)
     groups = build_groups(lo, timeout=timeout)
     try:
         the_plan = plan(cfg, args.strategy)
@@ -460,7 +461,11 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             time_t = torch.tensor([record.wall_s], dtype=torch.float64)
             if dist.is_initialized():
                 loss_t, time_t = loss_t.to(device), time_t.to(device)
-                dist.all_reduce(loss_t)
+                # every rank's contribution, summed exactly (fsum: the same whatever rank holds which
+                # coordinate, so parallel.order changes no reported loss)
+                parts = [torch.zeros_like(loss_t) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, loss_t)
+                loss_t = torch.tensor([math.fsum(float(x) for x in parts)], dtype=torch.float64)
                 dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
             loss, dt = float(loss_t) / (M * R), float(time_t)
             losses.append(loss)
@@ -528,7 +533,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
             "peak_device_bytes_measured": [m[0] for m in mems],
             "peak_host_bytes_measured": [m[1] for m in mems],
             "peak_peer_bytes_measured": [m[2] for m in mems],
-            "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r).pp_idx for r in range(world)],
+            "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
             "offloaded_sets": doc["metrics"].get("offloaded_sets"),
             "racecheck": race_doc,
             "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
@@ -546,7 +551,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                       f"{med_us / predicted_us if predicted_us else float('nan'):.3f}")
         planned = doc["metrics"]["peak_device_bytes"]
         console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
-            f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r).pp_idx] / 2**20:.2f}"
+            f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx] / 2**20:.2f}"
             for r, m in enumerate(mems)))
         if routing_doc is not None:
             console.print(f"routing imbalance (max / mean tokens per EP rank, mean over steps and MoE layers): "
