@@ -29,6 +29,24 @@ def _deterministic_on_cuda():
     yield
 
 
+def one_line(text: str, *needles: str) -> str:
+    """A user error as the project promises it: one line, no traceback, naming each of ``needles``."""
+    text = text.strip()
+    assert text and "\n" not in text, text
+    assert "Traceback" not in text
+    for n in needles:
+        assert n in text, text
+    return text
+
+
+def cli_exit(res, code: int, *needles: str) -> str:
+    """A ``typer.testing.CliRunner`` result that exited ``code`` with one line on stderr naming
+    ``needles``; returns that line."""
+    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
+    assert "Traceback" not in res.output
+    return one_line(res.stderr, *needles)
+
+
 @pytest.fixture
 def tiny_cfg():
     from k3sched.config import load_config

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import ROOT
+from conftest import ROOT, cli_exit
 from k3sched import cli as k3cli
 from k3sched.cli import app
 from traces import cli as tcli
@@ -40,14 +40,7 @@ def _invoke(args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def _one_line(res, code, *needles):
-    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
-    err = res.stderr.strip()
-    assert err and "\n" not in err, err
-    assert "Traceback" not in res.output
-    for n in needles:
-        assert n in err, err
-    return err
+_one_line = cli_exit
 
 
 def _unwritable_dir(tmp_path) -> Path:

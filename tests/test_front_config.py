@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from conftest import CONFIGS
+from conftest import CONFIGS, cli_exit, one_line
 from k3sched.cli import app
 from k3sched.config import (GiB, ConfigError, HardwareConfig, ModelConfig, ParallelConfig, ScheduleConfig,
                             config_from_dict, load_config)
@@ -28,23 +28,11 @@ FAST_S = 10.0  # the refusals below take well under 3 s; this allows for a loade
 
 
 def _one_line(e: pytest.ExceptionInfo, *needles: str) -> str:
-    msg = str(e.value)
-    assert msg and "\n" not in msg, msg
-    assert "Traceback" not in msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
+    return one_line(str(e.value), *needles)
 
 
 def _cli_exit_2(args: list[str], *needles: str) -> str:
-    res = CliRunner().invoke(app, args)
-    assert res.exit_code == 2, (res.exit_code, res.output)
-    err = res.stderr.strip()
-    assert err and "\n" not in err, err
-    assert "Traceback" not in res.output
-    for n in needles:
-        assert n in err, err
-    return err
+    return cli_exit(CliRunner().invoke(app, args), 2, *needles)
 
 
 # -- 1. --set overrides ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import ROOT
+from conftest import ROOT, cli_exit
 from k3sched.cli import app
 from k3sched.tasks import LANES, Kind
 from traces import synth
@@ -43,13 +43,7 @@ def _at(doc, path):
 
 
 def _one_line_exit_2(res, *needles):
-    assert res.exit_code == 2, res.output
-    err = res.stderr.strip()
-    assert err and "\n" not in err, err
-    assert "Traceback" not in res.output
-    for n in needles:
-        assert n in err, err
-    return err
+    return cli_exit(res, 2, *needles)
 
 
 def test_kind_and_lane_lists_are_the_task_model():
