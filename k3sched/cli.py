@@ -247,7 +247,7 @@ def plan(
             text = from_torch_csv.read_bytes().decode()
             sched = schedules.Schedule.from_torch_csv(
                 text, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.microbatches,
-                placement="v" if cfg.schedule.pipeline in ("zb-v", "dualpipev") else "loop")
+                placement="v" if cfg.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") else "loop")
             schedules.check(sched)
         except OSError as e:
             fail(f"--from-torch-csv: cannot read {from_torch_csv}: {e.strerror}")

@@ -5,8 +5,8 @@ Each supported schedule is planned with the k3 strategy on a copy of the config 
 ``serial`` strategy runs on the config's own pipeline as the no-overlap baseline. A schedule the
 config's shape does not support gives a row with the reason instead of numbers.
 
-vpp per schedule: gpipe, 1f1b, zb-h1, zb-h2 place one chunk per rank (vpp 1), and so does dualpipe
-(one stage of each of its two model copies); zb-v and dualpipev two (V shape, vpp 2); interleaved-1f1b keeps the config's vpp when it is at least 2, else uses 2.
+vpp per schedule: gpipe, 1f1b, zb-h1, zb-h2 place one chunk per rank (vpp 1), and so do dualpipe
+and chimera (one stage of each of their two model copies); zb-v, dualpipev, v-half and v-min two (V shape, vpp 2); interleaved-1f1b keeps the config's vpp when it is at least 2, else uses 2.
 A schedule is skipped when the model has fewer layers than pp * vpp chunks.
 """
 
@@ -27,9 +27,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .planner import Plan
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
-_VPP1 = ("gpipe", "1f1b", "zb-h1", "zb-h2", "dualpipe")  # dualpipe: one stage of each of its two copies
-_VPP2 = ("zb-v", "dualpipev")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe",
+                               "v-half", "v-min", "chimera")
+_VPP1 = ("gpipe", "1f1b", "zb-h1", "zb-h2", "dualpipe", "chimera")  # dualpipe, chimera: one stage of each copy
+_VPP2 = ("zb-v", "dualpipev", "v-half", "v-min")
 
 
 @dataclass

@@ -30,7 +30,8 @@ MAX_CONFIG_BYTES = 1 << 20
 """A config file larger than this (1 MiB) is refused unread: configs are a few hundred bytes."""
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe")
+PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "v-half", "v-min",
+             "chimera")
 STRATEGIES = ("k3", "serial")
 DEFAULT_MAX_TASKS = 200_000
 """Default ``schedule.max_tasks`` (see [Note: config limits])."""
@@ -215,7 +216,8 @@ class HardwareConfig(_Section):
 class ScheduleConfig(_Section):
     strategy: Literal["k3", "serial"] = "k3"
     """k3: five-lane co-schedule; serial: one task at a time (no-overlap baseline)."""
-    pipeline: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe"] = "1f1b"
+    pipeline: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "v-half",
+                      "v-min", "chimera"] = "1f1b"
     """Pipeline backbone (order of forward / backward chunks per PP rank)."""
     warmup_extra: int = _int(0, 65536, default=0)
     """Extra warm-up micro-batches for interleaved 1F1B (Kimi K2 uses them to hide EP a2a), 0..65536."""
@@ -338,7 +340,7 @@ class Config(_Section):
                              f"model.layers is {m.layers}")
         if self.schedule.pipeline in ("interleaved-1f1b",) and p.vpp < 2:
             raise ValueError("schedule.pipeline: interleaved-1f1b needs parallel.vpp >= 2; got vpp 1")
-        if self.schedule.pipeline in ("zb-v", "dualpipev") and p.vpp != 2:
+        if self.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") and p.vpp != 2:
             raise ValueError(f"parallel.vpp: {self.schedule.pipeline} places 2 chunks per rank (V shape); "
                              f"set vpp 2, got {p.vpp}")
         if self.schedule.pipeline in ("interleaved-1f1b",) and p.microbatches % p.pp:
@@ -346,6 +348,9 @@ class Config(_Section):
                              f"got {p.microbatches}")
         if self.schedule.pipeline in ("dualpipe",) and (p.pp % 2 or p.microbatches < 2 * p.pp):
             raise ValueError(f"schedule.pipeline: dualpipe needs an even pp and microbatches >= 2*pp; got "
+                             f"pp {p.pp}, microbatches {p.microbatches}")
+        if self.schedule.pipeline in ("chimera",) and (p.pp % 2 or p.microbatches % 2):
+            raise ValueError(f"schedule.pipeline: chimera needs an even pp and an even number of microbatches; got "
                              f"pp {p.pp}, microbatches {p.microbatches}")
         if self.schedule.pipeline in ("dualpipev",) and p.microbatches < 2 * p.pp:
             raise ValueError(f"parallel.microbatches: dualpipev needs at least 2*pp = {2 * p.pp}; "

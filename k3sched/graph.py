@@ -37,11 +37,12 @@ Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
 
 
 def placement_for(cfg: Config) -> Placement:
-    """V-shaped placement for ZB-V and DualPipeV, Megatron's loop placement otherwise; DualPipe:
-    two copies of the pp model stages as 2*pp vstages in V placement ([Note: dualpipe mapping])."""
-    if cfg.schedule.pipeline == "dualpipe":
+    """V-shaped placement for ZB-V, DualPipeV, V-Half and V-Min, Megatron's loop placement
+    otherwise; DualPipe and Chimera: two copies of the pp model stages as 2*pp vstages in V
+    placement ([Note: dualpipe mapping])."""
+    if cfg.schedule.pipeline in ("dualpipe", "chimera"):
         return Placement("v", cfg.parallel.pp, 2)
-    style = "v" if cfg.schedule.pipeline in ("zb-v", "dualpipev") else "loop"
+    style = "v" if cfg.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") else "loop"
     return Placement(style, cfg.parallel.pp, cfg.parallel.vpp)
 
 
@@ -161,7 +162,7 @@ class _Builder:
         self.topo: dict[str, int] = {}
         self.start_deps: dict[str, list[str]] = {}
         self.layers = split_layers(cfg)
-        self.bidir = cfg.schedule.pipeline == "dualpipe"
+        self.bidir = cfg.schedule.pipeline in ("dualpipe", "chimera")
         if self.bidir:  # vstage pp + k is the up copy of model stage k
             self.layers = self.layers + self.layers
         self.offload_sets: dict[tuple[int, int, int], int] = {}

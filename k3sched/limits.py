@@ -223,7 +223,7 @@ def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBoun
         pl = placement_for(cfg)
         split = split_layers(cfg)
         firsts, lasts = {0}, {pl.num_stages - 1}
-        if cfg.schedule.pipeline == "dualpipe":  # two model copies ([Note: dualpipe mapping])
+        if cfg.schedule.pipeline in ("dualpipe", "chimera"):  # two model copies ([Note: dualpipe mapping])
             split, firsts, lasts = split + split, {0, p.pp}, {p.pp - 1, 2 * p.pp - 1}
         static, acts = [], []
         for s in range(p.pp):

@@ -67,12 +67,13 @@ def backbone(cfg: Config) -> "schedules.Schedule":
     """The pipeline schedule named by ``schedule.pipeline`` for this config."""
     p = cfg.parallel
     extra = cfg.schedule.warmup_extra if cfg.schedule.pipeline == "interleaved-1f1b" else 0
-    if cfg.schedule.pipeline == "dualpipe":
+    if cfg.schedule.pipeline in ("dualpipe", "chimera"):
         # two copies of the model's pp stages, one of each per rank ([Note: dualpipe mapping])
+        name = cfg.schedule.pipeline
         if p.vpp != 1:
-            raise ValueError(f"parallel.vpp: dualpipe splits each of its two model copies into pp stages and "
+            raise ValueError(f"parallel.vpp: {name} splits each of its two model copies into pp stages and "
                              f"places one stage of each copy per rank; set vpp 1, got {p.vpp}")
-        return schedules.generate("dualpipe", p.pp, 2, p.microbatches)
+        return schedules.generate(name, p.pp, 2, p.microbatches)
     return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
 
 

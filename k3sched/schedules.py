@@ -34,8 +34,18 @@ stage v (on rank v), vstage pp + k the up copy of model stage k (on rank pp-1-k)
 holds vstages r and 2*pp-1-r like DualPipeV. Micro-batches ``0 .. M/2-1`` go down (vstages
 ``0..pp-1``) and ``M/2 .. M-1`` go up (vstages ``pp..2pp-1``): each micro-batch visits only the
 ``pp`` vstages of its route (``Schedule.route(mb)``). Parameters (and their gradients) are 2x;
-torch's loader cannot load it (it expects every stage to see every micro-batch).
+torch's loader cannot load it (it expects every stage to see every micro-batch). Chimera
+(``chimera``) uses the same mapping with its own order and full backwards.
+
+[Note: controllable-memory V schedules]
+V-Half and V-Min (Qi et al., NeurIPS 2024) repeat one *building block* per micro-batch on the V
+placement: rank r runs F of chunk 0, F of chunk 1, I of chunk 1, I of chunk 0 at fixed offsets
+(``_v_block_offsets``), the block repeating every 6 units of F = I = W. The block's *lifespan*
+(F of chunk 0 to the W after I of chunk 0, about 4p units for V-Min and 6p for V-Half, against
+12p for ZB-V / 1F1B) divided by the 6-unit interval is how many blocks overlap, hence the peak:
+(p+4)//3 micro-batches of a rank's activations for V-Min, (p+2)//2 for V-Half, against 1F1B's p.
 """
+
 
 from __future__ import annotations
 
@@ -871,6 +881,119 @@ def _dualpipe(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("dualpipe", pp, 2, M, place, ranks, bidirectional=True)
 
 
+def _v_block_offsets(kind: str, pp: int, r: int) -> tuple[int, int, int, int]:
+    """Start times of rank ``r``'s (F chunk 0, F chunk 1, I chunk 1, I chunk 0) in the first
+    building block of V-Half / V-Min (Qi et al., 2024, "Pipeline Parallelism with Controllable
+    Memory", sec. 4), in units of one chunk's F = I = W; the block repeats every 6 units. The
+    gap ``delta`` keeps each rank's four offsets distinct modulo 6."""
+    if kind == "v-min":
+        delta = 2 if pp % 3 == 0 else 0
+        return r, 2 * pp - 1 - r, 2 * pp + delta + r, 4 * pp + delta - 1 - r
+    delta = 3 if pp % 2 == 0 else 0
+    return 2 * r, 3 * pp - 2 - r, 3 * pp + delta + 2 * r - 1, 6 * pp + delta - 2 - r
+
+
+def _v_controllable(kind: str, pp: int, vpp: int, M: int) -> Schedule:
+    """V-Half / V-Min ([Note: controllable-memory V schedules]): V placement, two chunks per rank.
+
+    Rank r places micro-batch k's F0, F1, I1, I0 at its block offsets + 6k; each weight backward
+    W (chunk 1's first, then chunk 0's, oldest first per chunk) takes the next free unit after its
+    I. The per-rank order is those units sorted by time; the simulator then runs every action as
+    soon as its inputs allow (the paper's "squeeze"; its extra reordering pass is not applied).
+    """
+    _need(vpp == 2, f"{kind} places two chunks per rank (V shape); needs vpp 2, got {vpp}")
+    place = Placement("v", pp, 2)
+    ranks: dict[int, list[Slot]] = {}
+    for r in range(pp):
+        s0, s1 = place.stages_of(r)
+        f0, f1, i1, i0 = _v_block_offsets(kind, pp, r)
+        at: dict[int, Action] = {}
+        for k in range(M):
+            for t, a in ((f0, Action(s0, "F", k)), (f1, Action(s1, "F", k)), (i1, Action(s1, "I", k)),
+                         (i0, Action(s0, "I", k))):
+                assert t + 6 * k not in at, (kind, pp, r, k)  # the offsets differ modulo 6
+                at[t + 6 * k] = a
+        end = max(at)
+        wq: dict[int, list[Action]] = {s1: [], s0: []}
+        order: list[Slot] = []
+        t = 0
+        while t <= end or wq[s1] or wq[s0]:
+            a = at.get(t)
+            if a is not None:
+                order.append(a)
+                if a.op == "I":
+                    wq[a.vstage].append(Action(a.vstage, "W", a.mb))
+            else:
+                for v in (s1, s0):
+                    if wq[v]:
+                        order.append(wq[v].pop(0))
+                        break
+            t += 1
+        ranks[r] = order
+    return Schedule(kind, pp, 2, M, place, ranks)
+
+
+def _v_half(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    return _v_controllable("v-half", pp, vpp, M)
+
+
+def _v_min(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    return _v_controllable("v-min", pp, vpp, M)
+
+
+def _v_one_direction(p: int, M: int) -> Schedule:
+    """A one-direction V schedule with full backwards (B), p ranks, two chunks: list-scheduled on
+    unit durations (F = B = 1), each free rank running its ready B of the oldest micro-batch, else
+    its oldest ready F (the later chunk first on ties). The base of :func:`_chimera`."""
+    place = Placement("v", p, 2)
+    s = Schedule("v-1f1b", p, 2, M, place, {r: [] for r in range(p)})
+    todo = {r: [Action(v, op, m) for v in place.stages_of(r) for m in range(M) for op in "FB"] for r in range(p)}
+    done_at: dict[Action, int] = {}
+    t = 0
+    while any(todo.values()):
+        picks: dict[int, Action] = {}
+        for r in range(p):
+            ready = [a for a in todo[r] if all(done_at.get(d, t + 1) <= t for d in _deps(s, a))]
+            if ready:
+                picks[r] = min(ready, key=lambda a: (a.op != "B", a.mb, -a.vstage))
+        for r, a in picks.items():
+            todo[r].remove(a)
+            s.ranks[r].append(a)
+            done_at[a] = t + 1
+        t += 1
+    return s
+
+
+def _chimera(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    """Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same pp ranks,
+    on two model replicas, rank R holding stage R of the down replica and stage pp-1-R of the up
+    one ([Note: dualpipe mapping]: the same 2*pp vstages; micro-batches 0..M/2-1 go down, the rest
+    up). Full backwards (Chimera does not split dW). Built like :func:`_dualpipe`: rank R with
+    h = min(R, pp-1-R) runs the rank-h order of a one-direction V schedule on pp/2 ranks with M/2
+    micro-batches, its chunk 0 being R's stage in the direction where R comes early, so each
+    micro-batch meets the same neighbours in the same order; with F = B that order leaves each
+    rank pp-2 units idle, Chimera's published (D-2)/(2N+D-2) bubble ratio."""
+    _need(vpp == 2, f"chimera holds two stages per rank (two replicas); needs vpp 2, got {vpp}")
+    _need(pp % 2 == 0, f"chimera needs an even pp; got {pp}")
+    _need(M % 2 == 0, f"chimera needs an even number of microbatches (half go down, half up); got {M}")
+    half, hm = pp // 2, M // 2
+    base = _v_one_direction(half, hm)
+    place = Placement("v", pp, 2)
+    ranks: dict[int, list[Slot]] = {}
+    for R in range(pp):
+        h = min(R, pp - 1 - R)
+        s0, _ = base.placement.stages_of(h)
+        down, up = R, 2 * pp - 1 - R
+        early, late = ((down, 0), (up, hm)) if R < half else ((up, hm), (down, 0))
+        out: list[Slot] = []
+        for slot in base.ranks[h]:
+            assert isinstance(slot, Action)
+            v, off = early if slot.vstage == s0 else late
+            out.append(Action(v, slot.op, slot.mb + off))
+        ranks[R] = out
+    return Schedule("chimera", pp, 2, M, place, ranks, bidirectional=True)
+
+
 GENERATORS = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
@@ -880,7 +1003,53 @@ GENERATORS = {
     "zb-v": _zb_v,
     "dualpipev": _dualpipev,
     "dualpipe": _dualpipe,
+    "v-half": _v_half,
+    "v-min": _v_min,
+    "chimera": _chimera,
 }
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """A registry entry: what the schedule is, the bubble its source publishes and where from.
+    Formulas use the terms of docs/design.md (F, B, W, I = B - W per (virtual) stage, p ranks,
+    m micro-batches); tests/test_schedules.py checks each against :func:`simulate_uniform`."""
+
+    name: str
+    vpp: int
+    placement: str
+    bidirectional: bool
+    formula: str
+    source: str
+
+
+REGISTRY: dict[str, ScheduleInfo] = {i.name: i for i in (
+    ScheduleInfo("gpipe", 1, "loop", False, "bubble ratio (p-1)/(m+p-1); m micro-batches in flight",
+                 "Huang et al., GPipe, NeurIPS 2019"),
+    ScheduleInfo("1f1b", 1, "loop", False, "idle (p-1)(F+B); at most p micro-batches in flight",
+                 "Narayanan et al., PipeDream-Flush / Megatron-LM, SC 2021"),
+    ScheduleInfo("interleaved-1f1b", 0, "loop", False, "idle (p-1)(F+B) per chunk, 1/vpp of 1F1B's",
+                 "Narayanan et al., Megatron-LM interleaved schedule, SC 2021"),
+    ScheduleInfo("zb-h1", 1, "loop", False, "idle (p-1)(F+B-2W) at 1F1B's memory",
+                 "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024"),
+    ScheduleInfo("zb-h2", 1, "loop", False, "idle <= (p-1)F (fill skew only) at 2p-1 micro-batches",
+                 "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024"),
+    ScheduleInfo("zb-v", 2, "v", False, "idle <= (p-1)max(F, I) at 1F1B's memory",
+                 "Qi et al., Zero Bubble Pipeline Parallelism (V schedule), 2024"),
+    ScheduleInfo("dualpipev", 2, "v", False, "idle (p-1)(F&B+B-3W), F&B = F+B here",
+                 "DeepSeek DualPipe README (DualPipeV, the cut-in-half DualPipe)"),
+    ScheduleInfo("dualpipe", 2, "v", True, "idle (p/2-1)(F&B+B-3W); two parameter copies",
+                 "DeepSeek-V3 technical report, 2024; DualPipe README"),
+    ScheduleInfo("v-half", 2, "v", False, "bubble ratio ~ p/(2m) (F = B = W); peak activations (p+2)//2 "
+                 "micro-batches, about 1/2 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
+                 "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table"),
+    ScheduleInfo("v-min", 2, "v", False, "bubble ratio ~ 2p/(3m) (F = B = W); peak activations (p+4)//3 "
+                 "micro-batches, about 1/3 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
+                 "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table"),
+    ScheduleInfo("chimera", 2, "v", True, "bubble ratio (D-2)/(2N+D-2) with F = B, D = p stages, N = m "
+                 "micro-batches; two parameter copies", "Li & Hoefler, Chimera: Efficiently Training "
+                 "Large-Scale Neural Networks with Bidirectional Pipelines, SC 2021, Table 2"),
+)}
 
 
 def generate(name: str, pp: int, vpp: int, microbatches: int, *, warmup_extra: int = 0) -> Schedule:

@@ -111,7 +111,9 @@ def gpu_env(out: Path) -> dict:
 
 # Schedules the planner plans but the runtime does not execute, and why (one line each).
 PLANNED_ONLY = {"dualpipe": "(bidirectional: two model copies per rank) is planned, not run: the runtime holds one "
-                            "copy per stage; run dualpipev, its one-copy V-shaped form"}
+                            "copy per stage; run dualpipev, its one-copy V-shaped form",
+                "chimera": "(bidirectional: two model replicas per rank) is planned, not run: the runtime holds one "
+                           "copy per stage and does not reduce gradients between replicas"}
 
 
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):

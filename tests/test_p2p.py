@@ -29,7 +29,7 @@ from conftest import CONFIGS, ROOT
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 SMALL = ["parallel.ep=1", "model.seq_len=16", "model.micro_batch_size=1", "model.dense_layers=0"]
-V2 = ("interleaved-1f1b", "zb-v", "dualpipev")
+V2 = ("interleaved-1f1b", "zb-v", "dualpipev", "v-half", "v-min")
 
 
 def shape(name: str, pp: int, layers_per_chunk: int = 1) -> list[str]:

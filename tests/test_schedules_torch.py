@@ -22,7 +22,8 @@ from k3sched.schedules import Placement, Schedule, generate, validate  # noqa: E
 CASES = [
     ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 32), ("interleaved-1f1b", 4, 2, 8),
     ("interleaved-1f1b", 8, 4, 16), ("zb-h1", 4, 1, 8), ("zb-h2", 8, 1, 32), ("zb-v", 4, 2, 8),
-    ("zb-v", 8, 2, 32), ("dualpipev", 4, 2, 8), ("dualpipev", 8, 2, 32),
+    ("zb-v", 8, 2, 32), ("dualpipev", 4, 2, 8), ("dualpipev", 8, 2, 32), ("v-half", 4, 2, 8), ("v-half", 8, 2, 32),
+    ("v-min", 4, 2, 8), ("v-min", 6, 2, 12),
 ]
 
 
