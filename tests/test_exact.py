@@ -25,8 +25,11 @@ from k3sched.planner import plan
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
 GOAL = 0.05
-TIME_LIMIT_S = 3.0  # backbone-constrained solve (the acceptance reference)
-FREE_TIME_LIMIT_S = 2.0  # free solve (reported only; its bound also starts the constrained one's)
+# CP-SAT limits in deterministic time with one worker and a fixed seed (not wall clock), so a result
+# does not depend on machine load; the wall clock (20x) is only a safety net
+DTIME = 3.0  # backbone-constrained solve (the acceptance reference)
+FREE_DTIME = 2.0  # free solve (reported only; its bound also starts the constrained one's)
+SOLVE = {"workers": 1, "seed": 0}
 HINT_PIPELINES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 HINT_WGRAD_LAG = 8  # k3 on the same backbone with dW deferred further: a feasible constrained schedule
 
@@ -70,9 +73,9 @@ def _solved(name: str):
     others = [plan(_cfg(name, p), "k3") for p in HINT_PIPELINES if p != cfg.schedule.pipeline]
     lagged = cfg.model_copy(deep=True)
     lagged.schedule.wgrad_lag = HINT_WGRAD_LAG
-    free = solve_exact(cfg, mode="free", time_limit_s=FREE_TIME_LIMIT_S, hint_plan=[heur, *others])
+    free = solve_exact(cfg, mode="free", deterministic_time=FREE_DTIME, hint_plan=[heur, *others], **SOLVE)
     back = solve_exact(cfg, mode="backbone", ranks=heur.backbone, lookahead=plan_lookahead(heur),
-                       time_limit_s=TIME_LIMIT_S, hint_plan=[heur, plan(lagged, "k3")], lower=free)
+                       deterministic_time=DTIME, hint_plan=[heur, plan(lagged, "k3")], lower=free, **SOLVE)
     return cfg, heur, back, free
 
 
@@ -165,10 +168,13 @@ def test_free_mode_may_leave_the_backbone() -> None:
     from k3sched.graph import build_step
 
     cfg, heur, res, free = _solved("pp3-m3-1f1b")
+    # FREE_DTIME leaves this free solve at the backbone's schedule; twice that proves the free optimum
+    others = [plan(_cfg("pp3-m3-1f1b", p), "k3") for p in HINT_PIPELINES if p != cfg.schedule.pipeline]
+    free = solve_exact(cfg, mode="free", deterministic_time=2 * FREE_DTIME, hint_plan=[heur, *others], **SOLVE)
     assert free.optimal and free.makespan_us < res.makespan_us
     g = build_step(cfg)
     assert gate_violations(backbone_pairs(g, heur.backbone, plan_lookahead(heur)), free.starts)
-    other = solve_exact(cfg, time_limit_s=0.5, hint_plan=free)  # the free optimum breaks the gate
+    other = solve_exact(cfg, deterministic_time=0.5, hint_plan=free, **SOLVE)  # the free optimum breaks the gate
     assert other.hints_rejected == 1 and other.hint_makespan_us is None
     with pytest.raises(ValueError, match="mode"):
         solve_exact(cfg, mode="nope")
@@ -178,4 +184,4 @@ def test_too_large_instance_is_refused() -> None:
     cfg = load_config(TINY, ["parallel.pp=4", "parallel.microbatches=32", "model.layers=16",
                              "schedule.offload=none"])
     with pytest.raises(ValueError, match=f"limit of {MAX_TASKS}"):
-        solve_exact(cfg, time_limit_s=1.0)
+        solve_exact(cfg, deterministic_time=1.0, **SOLVE)
