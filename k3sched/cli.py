@@ -268,7 +268,7 @@ def plan(
         from .placement import RankOrder, describe
 
         ro = RankOrder(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.order)
-        for line in describe(ro, cfg.hardware.gpus_per_node, p2p_pairs(cfg)):
+        for line in describe(ro, cfg.hardware.gpus_per_node, p2p_pairs(p)):
             console.print(line, highlight=False, markup=False)
     if timeline:
         from .render import ascii_timeline

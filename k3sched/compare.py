@@ -274,19 +274,10 @@ class OrderRow:
     error: str | None = None
 
 
-def p2p_pairs(cfg: Config) -> list[tuple[int, int]]:
-    """The (sending, receiving) stage pairs of a config's forward transfers (its placement's
-    adjacent virtual stages on different ranks)."""
-    from .graph import placement_for
-
-    pl = placement_for(cfg)
-    ranks = [pl.locate(v)[0] for v in range(pl.num_stages)]
-    if cfg.schedule.pipeline in ("dualpipe", "chimera"):  # two model copies ([Note: dualpipe mapping])
-        pp = cfg.parallel.pp
-        chains = [ranks[:pp], ranks[pp:]]
-    else:
-        chains = [ranks]
-    return sorted({(a, b) for ch in chains for a, b in zip(ch, ch[1:]) if a != b})
+def p2p_pairs(p: "Plan") -> list[tuple[int, int]]:
+    """The (sending, receiving) stage pairs of a plan's activation transfers (its ``act.recv``
+    tasks; gradients go back over the same pairs)."""
+    return sorted({(t.release[0], t.stage) for t in p.tasks.values() if t.kind is Kind.FWD_RECV and t.release})
 
 
 def compare_orders(cfg: Config, orders: list[str] | None = None) -> list[OrderRow]:
@@ -301,21 +292,22 @@ def compare_orders(cfg: Config, orders: list[str] | None = None) -> list[OrderRo
         if err:
             raise ConfigError(f"--orders: {err}")
     gpn = cfg.hardware.gpus_per_node
-    pairs = p2p_pairs(cfg)
     rows = []
     for name in names:
         row = OrderRow(name)
         data = cfg.to_dict()
         data["parallel"] = {**data["parallel"], "order": name}
+        pairs: list[tuple[int, int]] = []
         try:
-            c = config_from_dict(data)
-            row.step_us = float(plan(c).metrics["step_time_us"])
+            planned = plan(config_from_dict(data))
+            row.step_us = float(planned.metrics["step_time_us"])
+            pairs = p2p_pairs(planned)
         except ValueError as e:
             row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
         ro = RankOrder(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep, name)
         for kind, g in group_placement(ro, gpn).items():
             if kind != "p2p":
-                row.links[kind] = "-" if g.size < 2 else ("NIC" if g.crosses else "NVLink")
+                row.links[kind] = "-" if g.size < 2 else (f"NIC {g.ranks_per_node}/node" if g.crosses else "NVLink")
         cross = sum(stage_pair_crosses(ro, gpn, a, b) for a, b in pairs)
         row.p2p_nic_pairs, row.p2p_nvlink_pairs = cross, len(pairs) - cross
         rows.append(row)

@@ -161,8 +161,8 @@ def describe(ro: RankOrder, gpus_per_node: int, p2p_pairs: Iterable[tuple[int, i
         g = pl[name]
         if g.size < 2:
             continue
-        where = (f"crosses nodes ({g.crossing} of {g.groups} groups; NIC)" if g.crosses
-                 else f"within a node ({g.groups} group(s); NVLink)")
+        where = (f"crosses nodes ({g.crossing} of {g.groups} groups; NIC; {g.ranks_per_node} of a group per node)"
+                 if g.crosses else f"within a node ({g.groups} group(s); NVLink)")
         lines.append(f"  {what[name]:<16} {g.size:>4} ranks  {where}")
     pairs = sorted(set(p2p_pairs))
     if pairs:

@@ -102,7 +102,7 @@ def test_plan_prints_which_groups_cross_nodes_and_compare_lists_orders():
                         "parallel.order=pp-ep-dp"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert "EP all-to-all 2 ranks crosses nodes (2 of 2 groups; NIC)" in text
+    assert "EP all-to-all 2 ranks crosses nodes (2 of 2 groups; NIC; 1 of a group per node)" in text
     assert "PP P2P 1 pairs NVLink: 1 (0->1); NIC: 0" in text
     r = subprocess.run([sys.executable, "-m", "k3sched.cli", "compare", str(TINY), *env_set, "--orders"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -112,7 +112,7 @@ def test_plan_prints_which_groups_cross_nodes_and_compare_lists_orders():
     from k3sched.compare import compare_orders
 
     rows = {row.order: row for row in compare_orders(load_config(TINY, ["hardware.gpus_per_node=2"]))}
-    assert rows["ep-dp-pp"].links["ep"] == "NVLink" and rows["pp-ep-dp"].links["ep"] == "NIC"
+    assert rows["ep-dp-pp"].links["ep"] == "NVLink" and rows["pp-ep-dp"].links["ep"] == "NIC 1/node"
     assert (rows["ep-dp-pp"].p2p_nic_pairs, rows["pp-ep-dp"].p2p_nvlink_pairs) == (1, 1)
     assert rows["ep-dp-pp"].step_us != rows["pp-ep-dp"].step_us  # priced from different links
     assert rows["ep-dp-pp"].step_us == rows["ep-pp-dp"].step_us  # dp 1: the same placement
