@@ -17,7 +17,7 @@ by task id. What a task *costs* is not always its measured span:
   /``act.rstore``, ``act.rserve``/``act.ronload``): a receive is posted early and waits for its send.
   The planner starts a receive when its send ends, so a receive's cost = its end - max(its start, its
   send's end) (at least 1 us), the send found by the plan's dependency on the replica-matched rank
-  ([Note: validation rules]); a send's cost is its own span.
+  ([Note: trace join] in traces/join.py); a send's cost is its own span.
 
 These need comparable clocks across ranks: one host (runtime traces are aligned to one t0, nsys
 records one clock). ``durations_us[kind]`` is the median cost over a kind's instances, for every
@@ -59,14 +59,12 @@ import yaml
 from k3sched.config import ConfigError, config_from_dict
 from k3sched.cost import CostModel, Profile, load_profile
 from k3sched.tasks import Kind
+from traces.join import SEND_OF, TRANSFER_KINDS, RankStages, ranges_by_name, send_of
 
 PROFILE_FORMAT = "k3sched.profile/1"
 COLLECTIVE_LANES = ("ep", "collective")
 WIRE_LANES = ("ep", "collective", "offload_remote")
 BYTE_LANES = ("ep", "collective", "offload_local", "offload_remote")
-# receiving kind -> sending kind (one transfer between two stages)
-PAIRS = {"act.recv": "act.send", "grad.recv": "grad.send", "act.rstore": "act.roffload", "act.ronload": "act.rserve"}
-P2P_KINDS = frozenset(PAIRS) | frozenset(PAIRS.values())
 UNIFORM_BYTES_RTOL = 0.05
 MIN_COST_US = 1.0
 
@@ -126,16 +124,45 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     default: when some task has more than one instance. Raises ValueError (one line) when no
     event matches a planned task."""
     tasks = _tasks(plan)
-    # instances: (rank, id) -> [(start, end)] in time order
+    occ, recorded = _occurrences(tasks, events, skip_first_step)
+    cfg = _plan_config(plan)
+    model = CostModel(cfg, Profile(overhead_us=_plan_profile(plan, "overhead_us"))) if cfg else None
+    cpu_ns = None
+    steal: dict = {}
+    if model is not None and model.cfg.hardware.host_cores:
+        floor = {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
+                 if k in Kind._value2member_map_}
+        cpu_ns, steal = _cpu_steal(occ, tasks, model, floor)
+    stages = RankStages.by_majority([r for r, _ in recorded], [int(tasks[tid]["stage"]) for _, tid in recorded])
+    per_task, raw = _costs(tasks, occ, stages, steal)
+    fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(stages.stage_of), comm_cpu_ns_per_byte=cpu_ns)
+    by_id: dict[str, list[float]] = defaultdict(list)
+    for _, c, _, tid, _ in per_task:
+        by_id[tid].append(c)
+    fit.task_cost_us = {tid: statistics.median(cs) for tid, cs in by_id.items()}
+    variable = _variable_kinds(tasks)
+    if model is not None:
+        fit.share = max(model.share(Kind(t["kind"])) for t in tasks.values())
+    wired = _fit_durations(fit, per_task, raw, variable, model)
+    if model is not None:
+        _fit_wires(fit, model, [row for row in per_task if row[0] in wired])
+        fit.overhead_us = dict(model.profile.overhead_us)
+    _fit_bandwidths(fit, cfg, per_task, variable, model)
+    fit.saved_bytes = _plan_profile(plan, "saved_bytes")
+    return fit
+
+
+def _occurrences(tasks: dict, events, skip_first_step: bool | None) -> tuple[dict, list[tuple[int, str]]]:
+    """(rank, task id, step k) -> (start, end) of the task's k-th measured instance on the rank
+    (its first dropped as warm-up when ``skip_first_step``, by default when some task has more
+    than one); and every (rank, task id) recorded. Raises ValueError when no range names a
+    planned task."""
+    rows, names, inv = ranges_by_name(events)
+    known = [n in tasks for n in names.tolist()]
     inst: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
-    names = events.name
-    kinds = getattr(events, "kind", None)
-    for i in range(len(names)):
-        if kinds is not None and kinds[i] != "range":
-            continue
-        n = str(names[i])
-        if n in tasks:
-            inst[(int(events.rank[i]), n)].append((float(events.start_us[i]), float(events.end_us[i])))
+    for row, ni in zip(rows.tolist(), inv.tolist()):
+        if known[ni]:
+            inst[(int(events.rank[row]), str(names[ni]))].append((float(events.start_us[row]), float(events.end_us[row])))
     if not inst:
         raise ValueError("no trace event names a task of the plan (wrong plan, or traces of another run?)")
     for v in inst.values():
@@ -143,76 +170,48 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     most = max(len(v) for v in inst.values())
     skip = (most > 1) if skip_first_step is None else skip_first_step
     first = 1 if skip and most > 1 else 0
-    # step k of (rank, id) = its k-th instance
-    occ: dict[tuple[int, str, int], tuple[float, float]] = {}
-    for (r, tid), v in inst.items():
-        for k, se in enumerate(v[first:]):
-            occ[(r, tid, k)] = se
-    ranks = sorted({r for r, _ in inst})
-    stage_votes: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    for (r, tid) in inst:
-        stage_votes[r][int(tasks[tid]["stage"])] += 1
-    stage_of = {r: max(v, key=v.get) for r, v in stage_votes.items()}
-    ranks_of_stage: dict[int, list[int]] = defaultdict(list)
-    for r in ranks:
-        ranks_of_stage[stage_of[r]].append(r)
+    return {(r, tid, k): se for (r, tid), v in inst.items() for k, se in enumerate(v[first:])}, list(inst)
 
-    def peer_rank(r: int, other_stage: int) -> int | None:
-        mine, theirs = ranks_of_stage[stage_of[r]], ranks_of_stage.get(other_stage, [])
-        if len(theirs) == 1:
-            return theirs[0]
-        if len(theirs) == len(mine) and r in mine:
-            return theirs[mine.index(r)]
-        return None
 
-    # the transfer partner of each P2P task: receive -> its send (a plan dep), send -> its receive
-    partner: dict[str, str] = {}
-    for tid, t in tasks.items():
-        if t["kind"] in PAIRS:
-            for d in t.get("deps") or []:
-                if d in tasks and tasks[d]["kind"] == PAIRS[t["kind"]]:
-                    partner[tid] = d
-                    partner.setdefault(d, tid)
-    costs: dict[str, list[float]] = defaultdict(list)
+def _costs(tasks: dict, occ: dict, stages: RankStages, steal: dict) -> tuple[list, dict[str, list[float]]]:
+    """Each instance's cost ([Note: calibration]) as (kind, cost, bytes, task id, layer) rows, and
+    per kind the measured spans. A receive's cost starts at the end of its send ([Note: trace
+    join]: the send is the receive's plan dependency, on the replica-matched rank)."""
+    kind_of = lambda d: tasks[d]["kind"] if d in tasks else None  # noqa: E731
+    send = {tid: send_of(t["kind"], t.get("deps") or [], kind_of) for tid, t in tasks.items() if t["kind"] in SEND_OF}
     raw: dict[str, list[float]] = defaultdict(list)
-    per_task: list[tuple[str, float, int, str, int | None]] = []  # (kind, cost, bytes, id, layer)
-    cfg = _plan_config(plan)
-    model = CostModel(cfg, Profile(overhead_us=_plan_overheads(plan))) if cfg else None
-    cpu_ns = None
-    steal: dict = {}
-    if model is not None and model.cfg.hardware.host_cores:
-        floor = {k: d * model.share(Kind(k)) for k, d in _plan_durations(plan).items() if k in Kind._value2member_map_}
-        cpu_ns, steal = _cpu_steal(occ, tasks, model, floor)
+    per_task: list[tuple[str, float, int, str, int | None]] = []
     for (r, tid, k), (s, e) in occ.items():
         t = tasks[tid]
         kind = t["kind"]
         raw[kind].append(e - s)
-        if kind in PAIRS:  # a receive: from its send's end (the planner's dependency)
-            other = partner.get(tid)
-            pr = peer_rank(r, int(tasks[other]["stage"])) if other else None
+        if kind in SEND_OF:  # a receive: from its send's end (the planner's dependency)
+            other = send.get(tid)
+            pr = stages.peer(r, int(tasks[other]["stage"])) if other else None
             o = occ.get((pr, other, k)) if pr is not None else None
             begin = max(s, o[1]) if o else s
-        elif kind in P2P_KINDS or t["lane"] in COLLECTIVE_LANES:
+        elif kind in TRANSFER_KINDS or t["lane"] in COLLECTIVE_LANES:
             begin = s
         else:
             begin = s + steal.get((r, tid, k), 0.0)  # compute: the transfers' CPU share taken out
-        c = max(e - begin, MIN_COST_US)
-        costs[kind].append(c)
-        per_task.append((kind, c, int(t.get("bytes") or 0), tid, t.get("layer")))
+        per_task.append((kind, max(e - begin, MIN_COST_US), int(t.get("bytes") or 0), tid, t.get("layer")))
+    return per_task, raw
 
-    fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(ranks), comm_cpu_ns_per_byte=cpu_ns)
-    by_id: dict[str, list[float]] = defaultdict(list)
-    for _, c, _, tid, _ in per_task:
-        by_id[tid].append(c)
-    fit.task_cost_us = {tid: statistics.median(cs) for tid, cs in by_id.items()}
-    # kinds whose tasks move different byte counts are left to the lane bandwidth
+
+def _variable_kinds(tasks: dict) -> set[str]:
+    """Kinds whose tasks move different byte counts (left to the lane bandwidth)."""
     nbytes: dict[str, set[int]] = defaultdict(set)
     for t in tasks.values():
         nbytes[t["kind"]].add(int(t.get("bytes") or 0))
-    variable = {k for k, b in nbytes.items() if max(b) > 0 and (max(b) - min(b)) > UNIFORM_BYTES_RTOL * max(b)}
-    if model is not None:
-        fit.share = max(model.share(Kind(t["kind"])) for t in tasks.values())
-    # kinds the wire model carries ([Note: wire model]): per-lane latency and link efficiency
+    return {k for k, b in nbytes.items() if max(b) > 0 and (max(b) - min(b)) > UNIFORM_BYTES_RTOL * max(b)}
+
+
+def _fit_durations(fit: Fit, per_task: list, raw: dict, variable: set[str], model: CostModel | None) -> set[str]:
+    """Per-kind samples, raw medians and one-core durations; returns the kinds the wire model
+    carries ([Note: wire model]: per-lane latency and link efficiency, fitted after)."""
+    costs: dict[str, list[float]] = defaultdict(list)
+    for kind, c, *_ in per_task:
+        costs[kind].append(c)
     wired = {k for k in costs if model is not None and _wire(model, k, None, 0) is not None}
     wired |= {k for k in costs if model is not None and k in variable and _lane(Kind(k)) in WIRE_LANES}
     for kind, cs in sorted(costs.items()):
@@ -225,10 +224,12 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
         else:  # one core's duration: the source config's CPU sharing divided out
             share = model.share(Kind(kind)) if model is not None else 1.0
             fit.durations_us[kind] = statistics.median(cs) / share
-    if model is not None:
-        _fit_wires(fit, model, [row for row in per_task if row[0] in wired])
-        fit.overhead_us = dict(model.profile.overhead_us)
-    # bandwidths: bytes / (cost - the cost model's fixed part at infinite bandwidth)
+    return wired
+
+
+def _fit_bandwidths(fit: Fit, cfg, per_task: list, variable: set[str], model: CostModel | None) -> None:
+    """Per byte lane not left to the wire fit: bytes / (cost - the cost model's fixed part at
+    infinite bandwidth), over the variable kinds when the lane has some, else over all."""
     fixed_model = CostModel(cfg, Profile(bandwidth_gbps={ln: 1e12 for ln in BYTE_LANES})) if cfg else None
     lane_of = {k.value: _lane(k) for k in Kind}
     for lane in BYTE_LANES:
@@ -245,8 +246,6 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
             fx = _fixed_us(fixed_model, k, layer, b) if fixed_model else 0.0
             tot_t += max(c - fx, MIN_COST_US * 0.1)
         fit.bandwidth_gbps[lane] = tot_b / tot_t / 1e3  # bytes/us -> GB/s
-    fit.saved_bytes = _plan_saved_bytes(plan)
-    return fit
 
 
 def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = None) -> tuple[float, dict]:
@@ -389,31 +388,14 @@ def _fixed_us(model: CostModel, kind: str, layer, nbytes: int) -> float:
         return 0.0
 
 
-def _plan_overheads(plan: dict) -> dict:
-    """``overhead_us`` of the plan's own profile (kept in the fitted profile: they are what the
-    wire fit's fixed part subtracts)."""
+def _plan_profile(plan: dict, field_name: str) -> dict:
+    """One field of the plan's own profile (``schedule.profile``) as a dict: ``overhead_us``
+    (kept in the fitted profile: they are what the wire fit's fixed part subtracts),
+    ``durations_us`` (the floors of the CPU-steal fit) or ``saved_bytes`` (kept); {} without a
+    profile or when it does not load."""
     path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
     try:
-        return dict(load_profile(path).overhead_us) if path else {}
-    except ConfigError:
-        return {}
-
-
-def _plan_durations(plan: dict) -> dict:
-    """``durations_us`` of the plan's own profile ({} without one)."""
-    path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
-    try:
-        return dict(load_profile(path).durations_us) if path else {}
-    except ConfigError:
-        return {}
-
-
-def _plan_saved_bytes(plan: dict) -> dict:
-    path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
-    if not path:
-        return {}
-    try:
-        return dict(load_profile(path).saved_bytes)
+        return dict(getattr(load_profile(path), field_name)) if path else {}
     except ConfigError:
         return {}
 
