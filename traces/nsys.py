@@ -25,6 +25,7 @@ import shutil
 import sqlite3
 import subprocess
 import urllib.parse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,17 @@ def _check_runtime_rows(con: sqlite3.Connection, bad: BadEvents) -> None:
 _GPU_ORDER = ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET")
 
 
+@dataclass
+class _Ranges:
+    """NVTX ranges (push/pop and start/end) and the ``k3sched.rank=N`` marks ([Note: nsys ranks])."""
+
+    gtid: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))   # globalTid
+    start: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))  # µs
+    end: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
+    text: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    rank_marks: dict[int, int] = field(default_factory=dict)  # pid -> the rank its mark names
+
+
 def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_events: bool = False) -> EventTable:
     tables = _tables(con)
     gpu_tables = [t for t in _GPU_ORDER if t in tables]
@@ -188,121 +200,140 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
                          f"(tables found: {found}); is this an nsys export?")
     has_strings = "StringIds" in tables
     bad = BadEvents(path)
-
-    # ---- NVTX ranges (and rank marks) -------------------------------------------------
-    r_gtid = np.empty(0, np.int64)
-    r_start = r_end = np.empty(0, np.float64)
-    r_text = np.empty(0, object)
-    rank_marks: dict[int, int] = {}
-    if "NVTX_EVENTS" in tables:
-        cols = _columns(con, "NVTX_EVENTS")
-        need = {"start", "end", "eventType", "globalTid"}
-        if not need <= cols:
-            raise TraceError(f"{path}: NVTX_EVENTS lacks columns {sorted(need - cols)}")
-        text = "n.text" if "text" in cols else "NULL"
-        join = ""
-        if "textId" in cols and has_strings:
-            text = f"COALESCE({text}, s.value)"
-            join = "LEFT JOIN StringIds s ON s.id = n.textId"
-        text_id = "n.textId" if "textId" in cols else "NULL"
-        sql = (f"SELECT {_rowid(con, 'NVTX_EVENTS', 'n')}, n.eventType, n.start, n.end, n.globalTid, {text}, "
-               f"{text_id} FROM NVTX_EVENTS n {join} WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) "
-               f"OR (n.eventType = {NVTX_MARK} AND {text} LIKE '{RANK_MARK_PREFIX}%')")
-        rid, et, s, e, g, t, tid_ = _fetch(con, sql, 7)
-        is_range = np.fromiter((x != NVTX_MARK for x in et), bool, len(et))
-        checks, sf, ef = _span_checks(s, e)
-        checks = [(m & is_range, r) for m, r in checks]
-        gc, gi = _int_check("globalTid", g, "a thread id (allowed: an integer)")
-        checks += gc
-        checks += _int_check("textId", tid_, "a StringIds id (allowed: an integer or NULL)", nullable=True)[0]
-        if not set(map(type, t)) <= {str, type(None)}:
-            checks.append((np.fromiter((x is not None and type(x) is not str for x in t), bool, len(t)),
-                           lambda i: f"text {show(t[i], sql=True)} is not a string (allowed: text or NULL)"))
-        marks = {i: x for i, x in enumerate(t) if type(x) is str and x.startswith(RANK_MARK_PREFIX)}
-        mark_rank = {}
-        for i, x in marks.items():
-            m = RANK_MARK_RE.match(x)
-            if m and int(m[1]) < MAX_RANK:
-                mark_rank[i] = int(m[1])
-        if len(mark_rank) < len(marks):
-            mm = np.zeros(len(t), bool)
-            mm[[i for i in marks if i not in mark_rank]] = True
-            checks.append((mm, lambda i: f"rank mark {show(t[i], sql=True)} names no rank ({ALLOWED_RANK})"))
-        ok = bad.check(checks, _positions(rid), lambda p: f"NVTX_EVENTS row {p}", order=0)
-        for i, r in mark_rank.items():
-            if ok[i]:
-                rank_marks[(int(gi[i]) >> 24) & 0xFFFFFF] = r
-        sel = ok & is_range
-        r_start, r_end, r_gtid = sf[sel], ef[sel], gi[sel]
-        r_text = np.array([x or "" for x, k in zip(t, sel.tolist()) if k] + [None], dtype=object)[:-1]
-
-    # ---- GPU activity -----------------------------------------------------------------
-    gpu: list[dict] = []
+    ranges = _read_ranges(con, path, has_strings, bad) if "NVTX_EVENTS" in tables else _Ranges()
     runtime_cols = _columns(con, "CUPTI_ACTIVITY_KIND_RUNTIME") if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables else set()
     can_project = {"correlationId", "globalTid", "start"} <= runtime_cols
     if can_project:
         _check_runtime_rows(con, bad)
-    for order, table in enumerate(gpu_tables, start=1):
-        cols = _columns(con, table)
-        need = {"start", "end", "streamId"}
-        if not need <= cols:
-            raise TraceError(f"{path}: {table} lacks columns {sorted(need - cols)}")
-        dev = "a.deviceId" if "deviceId" in cols else "-1"
-        nbytes = "a.bytes" if "bytes" in cols else "0"
-        if table.endswith("KERNEL"):
-            ncol = {"demangled": "demangledName", "short": "shortName"}[kernel_names]
-            if ncol not in cols:
-                ncol = "shortName" if "shortName" in cols else ("demangledName" if "demangledName" in cols else None)
-            name = f"a.{ncol}" if ncol and has_strings else "NULL"
-            extra = "0"
-        elif table.endswith("MEMCPY"):
-            name, extra = "NULL", ("a.copyKind" if "copyKind" in cols else "0")
-        else:
-            name, extra = "NULL", "0"
-        pid_of = "a.globalPid" if "globalPid" in cols else "NULL"
-        rid = _rowid(con, table, "a")
-        corr = "a.correlationId" if "correlationId" in cols else "NULL"
-        if can_project and "correlationId" in cols:
-            on = f"r.correlationId = a.correlationId AND {_RUNTIME_ROW_OK}"
-            if "globalPid" in cols:
-                on += f" AND (r.globalTid & {_PID_MASK}) = a.globalPid"
-            sql = (f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
-                   f"r.globalTid, r.start, {corr} FROM {table} a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON {on}")
-        else:
-            sql = (f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
-                   f"NULL, NULL, {corr} FROM {table} a")
-        v = _fetch(con, sql, 12)
-        if not v[0]:
-            continue
-        checks, start, end = _span_checks(v[1], v[2])
-        c, device = _int_check("deviceId", v[3], "a device (allowed: an integer -1 <= id < 2^31)", -1, 1 << 31)
-        checks += c
-        c, stream = _int_check("streamId", v[4], "a stream id (allowed: an integer)")
-        checks += c
-        c, nb = _int_check("bytes", v[5], "a byte count (allowed: an integer >= 0)", 0)
-        checks += c
-        c, nameid = _int_check(name.removeprefix("a."), v[6], "a StringIds id (allowed: an integer)",
-                               nullable=name == "NULL")
-        checks += c
-        c, kindid = _int_check("copyKind", v[7], "a copy kind (allowed: an integer)")
-        checks += c
-        c, gpid = _int_check("globalPid", v[8], "a process id (allowed: an integer or NULL)", nullable=True)
-        checks += c
-        checks += _int_check("correlationId", v[11], "a correlation id (allowed: an integer 0 <= id < 2^63 or NULL)",
-                             0, nullable=True)[0]
-        c, rgtid = _int_check("launching runtime call's globalTid", v[9], "a thread id (allowed: an integer)",
-                              nullable=True)
-        checks += c
-        rs, rs_nn = as_float(v[10])
-        null_rs = np.fromiter((x is None for x in v[10]), bool, len(v[10]))
-        checks.append((rs_nn & ~null_rs, lambda i: f"launching runtime call's start {show(v[10][i], sql=True)} "
-                                                   f"is not a number"))
-        ok = bad.check(checks, _positions(v[0]), lambda p, table=table: f"{table} row {p}", order=order)
-        gpu.append({"table": table, "start": start[ok], "end": end[ok], "device": device[ok].astype(np.int32),
-                    "stream": stream[ok], "bytes": nb[ok], "nameid": nameid[ok], "extra": kindid[ok],
-                    "gpid": gpid[ok], "rgtid": rgtid[ok], "rstart": rs[ok] / 1e3})
+    gpu = [g for order, table in enumerate(gpu_tables, start=1)
+           if (g := _read_gpu(con, path, table, order, kernel_names, has_strings, can_project, bad)) is not None]
+    _name_gpu(con, tables, gpu, has_strings)
+    return bad.finish(_to_table(ranges, gpu), skip_bad_events)
 
-    # ---- names of kernels / copies ----------------------------------------------------
+
+def _read_ranges(con: sqlite3.Connection, path: Path, has_strings: bool, bad: BadEvents) -> _Ranges:
+    """The NVTX ranges and rank marks of NVTX_EVENTS, malformed rows checked ([Note: malformed
+    events] in traces/events.py)."""
+    cols = _columns(con, "NVTX_EVENTS")
+    need = {"start", "end", "eventType", "globalTid"}
+    if not need <= cols:
+        raise TraceError(f"{path}: NVTX_EVENTS lacks columns {sorted(need - cols)}")
+    text = "n.text" if "text" in cols else "NULL"
+    join = ""
+    if "textId" in cols and has_strings:
+        text = f"COALESCE({text}, s.value)"
+        join = "LEFT JOIN StringIds s ON s.id = n.textId"
+    text_id = "n.textId" if "textId" in cols else "NULL"
+    sql = (f"SELECT {_rowid(con, 'NVTX_EVENTS', 'n')}, n.eventType, n.start, n.end, n.globalTid, {text}, "
+           f"{text_id} FROM NVTX_EVENTS n {join} WHERE n.eventType IN ({NVTX_PUSHPOP}, {NVTX_STARTEND}) "
+           f"OR (n.eventType = {NVTX_MARK} AND {text} LIKE '{RANK_MARK_PREFIX}%')")
+    rid, et, s, e, g, t, tid_ = _fetch(con, sql, 7)
+    is_range = np.fromiter((x != NVTX_MARK for x in et), bool, len(et))
+    checks, sf, ef = _span_checks(s, e)
+    checks = [(m & is_range, r) for m, r in checks]
+    gc, gi = _int_check("globalTid", g, "a thread id (allowed: an integer)")
+    checks += gc
+    checks += _int_check("textId", tid_, "a StringIds id (allowed: an integer or NULL)", nullable=True)[0]
+    if not set(map(type, t)) <= {str, type(None)}:
+        checks.append((np.fromiter((x is not None and type(x) is not str for x in t), bool, len(t)),
+                       lambda i: f"text {show(t[i], sql=True)} is not a string (allowed: text or NULL)"))
+    mark_rank, mark_check = _rank_marks(t)
+    checks += mark_check
+    ok = bad.check(checks, _positions(rid), lambda p: f"NVTX_EVENTS row {p}", order=0)
+    sel = ok & is_range
+    return _Ranges(gi[sel], sf[sel], ef[sel],
+                   np.array([x or "" for x, k in zip(t, sel.tolist()) if k] + [None], dtype=object)[:-1],
+                   {(int(gi[i]) >> 24) & 0xFFFFFF: r for i, r in mark_rank.items() if ok[i]})
+
+
+def _rank_marks(t: list) -> tuple[dict[int, int], list]:
+    """Row -> rank of each ``k3sched.rank=N`` mark among the texts ``t``, and the check of the
+    marks that name no rank."""
+    marks = {i: x for i, x in enumerate(t) if type(x) is str and x.startswith(RANK_MARK_PREFIX)}
+    mark_rank = {}
+    for i, x in marks.items():
+        m = RANK_MARK_RE.match(x)
+        if m and int(m[1]) < MAX_RANK:
+            mark_rank[i] = int(m[1])
+    if len(mark_rank) == len(marks):
+        return mark_rank, []
+    mm = np.zeros(len(t), bool)
+    mm[[i for i in marks if i not in mark_rank]] = True
+    return mark_rank, [(mm, lambda i: f"rank mark {show(t[i], sql=True)} names no rank ({ALLOWED_RANK})")]
+
+
+def _gpu_sql(con: sqlite3.Connection, table: str, cols: set[str], kernel_names: str, has_strings: bool,
+             can_project: bool) -> tuple[str, str]:
+    """The query of one GPU activity table (12 columns: rowid, start, end, device, stream, bytes,
+    name id, copy kind, globalPid, the launching runtime call's globalTid and start, correlation
+    id; [Note: kernel projection]), and the name column's expression."""
+    dev = "a.deviceId" if "deviceId" in cols else "-1"
+    nbytes = "a.bytes" if "bytes" in cols else "0"
+    if table.endswith("KERNEL"):
+        ncol = {"demangled": "demangledName", "short": "shortName"}[kernel_names]
+        if ncol not in cols:
+            ncol = "shortName" if "shortName" in cols else ("demangledName" if "demangledName" in cols else None)
+        name = f"a.{ncol}" if ncol and has_strings else "NULL"
+        extra = "0"
+    elif table.endswith("MEMCPY"):
+        name, extra = "NULL", ("a.copyKind" if "copyKind" in cols else "0")
+    else:
+        name, extra = "NULL", "0"
+    pid_of = "a.globalPid" if "globalPid" in cols else "NULL"
+    rid = _rowid(con, table, "a")
+    corr = "a.correlationId" if "correlationId" in cols else "NULL"
+    head = f"SELECT {rid}, a.start, a.end, {dev}, a.streamId, {nbytes}, {name}, {extra}, {pid_of}, "
+    if can_project and "correlationId" in cols:
+        on = f"r.correlationId = a.correlationId AND {_RUNTIME_ROW_OK}"
+        if "globalPid" in cols:
+            on += f" AND (r.globalTid & {_PID_MASK}) = a.globalPid"
+        return head + f"r.globalTid, r.start, {corr} FROM {table} a LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON {on}", name
+    return head + f"NULL, NULL, {corr} FROM {table} a", name
+
+
+def _read_gpu(con: sqlite3.Connection, path: Path, table: str, order: int, kernel_names: str, has_strings: bool,
+              can_project: bool, bad: BadEvents) -> dict | None:
+    """The rows of one GPU activity table as columns, malformed rows checked (None when empty)."""
+    cols = _columns(con, table)
+    need = {"start", "end", "streamId"}
+    if not need <= cols:
+        raise TraceError(f"{path}: {table} lacks columns {sorted(need - cols)}")
+    sql, name = _gpu_sql(con, table, cols, kernel_names, has_strings, can_project)
+    v = _fetch(con, sql, 12)
+    if not v[0]:
+        return None
+    checks, start, end = _span_checks(v[1], v[2])
+    c, device = _int_check("deviceId", v[3], "a device (allowed: an integer -1 <= id < 2^31)", -1, 1 << 31)
+    checks += c
+    c, stream = _int_check("streamId", v[4], "a stream id (allowed: an integer)")
+    checks += c
+    c, nb = _int_check("bytes", v[5], "a byte count (allowed: an integer >= 0)", 0)
+    checks += c
+    c, nameid = _int_check(name.removeprefix("a."), v[6], "a StringIds id (allowed: an integer)",
+                           nullable=name == "NULL")
+    checks += c
+    c, kindid = _int_check("copyKind", v[7], "a copy kind (allowed: an integer)")
+    checks += c
+    c, gpid = _int_check("globalPid", v[8], "a process id (allowed: an integer or NULL)", nullable=True)
+    checks += c
+    checks += _int_check("correlationId", v[11], "a correlation id (allowed: an integer 0 <= id < 2^63 or NULL)",
+                         0, nullable=True)[0]
+    c, rgtid = _int_check("launching runtime call's globalTid", v[9], "a thread id (allowed: an integer)",
+                          nullable=True)
+    checks += c
+    rs, rs_nn = as_float(v[10])
+    null_rs = np.fromiter((x is None for x in v[10]), bool, len(v[10]))
+    checks.append((rs_nn & ~null_rs, lambda i: f"launching runtime call's start {show(v[10][i], sql=True)} "
+                                               f"is not a number"))
+    ok = bad.check(checks, _positions(v[0]), lambda p, table=table: f"{table} row {p}", order=order)
+    return {"table": table, "start": start[ok], "end": end[ok], "device": device[ok].astype(np.int32),
+            "stream": stream[ok], "bytes": nb[ok], "nameid": nameid[ok], "extra": kindid[ok],
+            "gpid": gpid[ok], "rgtid": rgtid[ok], "rstart": rs[ok] / 1e3}
+
+
+def _name_gpu(con: sqlite3.Connection, tables: set[str], gpu: list[dict], has_strings: bool) -> None:
+    """Each GPU event's name and kind: kernels by their StringIds name (``kernel`` or ``nccl``),
+    copies by their copy kind's label, memsets as such."""
     copy_names = {}
     if "ENUM_CUDA_MEMCPY_OPER" in tables and {"id", "label"} <= _columns(con, "ENUM_CUDA_MEMCPY_OPER"):
         copy_names = {i: str(lbl) for i, lbl in con.execute("SELECT id, label FROM ENUM_CUDA_MEMCPY_OPER")
@@ -323,13 +354,16 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
         else:
             g["name"], g["kind"] = np.full(len(g["start"]), "Memset", object), np.full(len(g["start"]), "memset", "<U8")
 
-    # ---- ranks ------------------------------------------------------------------------
-    pids = [(r_gtid >> 24) & 0xFFFFFF] + [np.where(g["gpid"] >= 0, (g["gpid"] >> 24) & 0xFFFFFF, -1) for g in gpu]
+
+def _rank_lookup(ranges: _Ranges, gpu: list[dict]):
+    """pid -> rank ([Note: nsys ranks]) as a vectorised function of a pid array (-1: no rank)."""
+    pids = [(ranges.gtid >> 24) & 0xFFFFFF] + [np.where(g["gpid"] >= 0, (g["gpid"] >> 24) & 0xFFFFFF, -1)
+                                               for g in gpu]
     allp = np.unique(np.concatenate(pids)) if pids else np.empty(0, np.int64)
     allp = allp[allp >= 0]
     rank_of = {int(p): i for i, p in enumerate(allp.tolist())}
-    if rank_marks:
-        rank_of.update(rank_marks)
+    if ranges.rank_marks:
+        rank_of.update(ranges.rank_marks)
 
     def to_rank(p: np.ndarray) -> np.ndarray:
         if not len(p):
@@ -339,16 +373,24 @@ def _read(con: sqlite3.Connection, path: Path, kernel_names: str, skip_bad_event
         pos = np.clip(np.searchsorted(keys, p), 0, max(len(keys) - 1, 0))
         return np.where((len(keys) > 0) & (keys[pos] == p), vals[pos], -1).astype(np.int32)
 
-    parts = [EventTable.build(name=r_text, start_us=r_start, end_us=r_end, kind="range",
+    return to_rank
+
+
+def _to_table(ranges: _Ranges, gpu: list[dict]) -> EventTable:
+    """The ranges, then each GPU table's events with their ranks and parent ranges ([Note:
+    kernel projection]), as one EventTable."""
+    to_rank = _rank_lookup(ranges, gpu)
+    r_gtid, r_text = ranges.gtid, ranges.text
+    parts = [EventTable.build(name=r_text, start_us=ranges.start, end_us=ranges.end, kind="range",
                               rank=to_rank((r_gtid >> 24) & 0xFFFFFF), device=-1, tid=r_gtid & 0xFFFFFF)]
     for g in gpu:
-        par = innermost_enclosing(r_gtid, r_start, r_end, g["rgtid"], g["rstart"])
+        par = innermost_enclosing(r_gtid, ranges.start, ranges.end, g["rgtid"], g["rstart"])
         parent = np.where(par >= 0, r_text[np.maximum(par, 0)] if len(r_text) else "", "").astype(object)
         gp = np.where(g["gpid"] >= 0, (g["gpid"] >> 24) & 0xFFFFFF, (g["rgtid"] >> 24) & 0xFFFFFF)
         parts.append(EventTable.build(name=g["name"], start_us=g["start"], end_us=g["end"], kind=g["kind"],
                                       rank=to_rank(gp), device=g["device"], tid=g["stream"], bytes=g["bytes"],
                                       parent=parent))
-    return bad.finish(EventTable.concat(parts), skip_bad_events)
+    return EventTable.concat(parts)
 
 
 # ---- recording -------------------------------------------------------------------------
