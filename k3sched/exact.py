@@ -87,7 +87,8 @@ class ExactResult:
     within the time limit and no hint). ``starts``: task id -> start (µs) of the best schedule found.
     ``objective_us``: that schedule's makespan under the rounded durations (what CP-SAT minimised;
     two modes solved with the same ``scale`` compare exactly on it). ``hints_rejected``: hint
-    schedules left out because they violate the backbone gate (plans on another backbone).
+    schedules left out because they violate the backbone gate (plans on another backbone); for
+    ``solve_free``, plans left out because they do not map onto the model or exceed the budget.
     """
 
     status: str
@@ -743,9 +744,11 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
         seq[tid] = now
         now += dur[tid]
     cands.append((seq, {}))
+    unusable = 0  # plans on another graph (durations, tasks) or with a storage the model lacks
     for p in hint_plans:
         pdur = _int_durations(p.graph, scale)
         if any(tid not in p.tasks or pdur[tid] != dur[tid] for tid in base):
+            unusable += 1
             continue
         h = _stretch(p, pdur)
         ch: dict[tuple[int, int, int], str] = {}
@@ -759,11 +762,13 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
             ch[owner[tid][0]] = owner[tid][1]
         if ok:
             cands.append((h, ch))
-    rejected, hint = 0, None
-    for h, ch in cands:
+        else:
+            unusable += 1
+    rejected, hint = unusable, None
+    for i, (h, ch) in enumerate(cands):
         present = set(base) | {t.id for k, c in ch.items() for t in opts[k][c]}
         if not feasible(h, present):
-            rejected += 1
+            rejected += i > 0  # the plans' (the one-at-a-time start may not fit)
             continue
         span_h = max(h[t] + dur[t] for t in present)
         if hint is None or span_h < hint[2]:
