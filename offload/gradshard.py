@@ -59,8 +59,7 @@ from torch import Tensor, nn
 
 from moe import handoff
 
-from .manager import DELAY_ENV
-from .pool import BufferPool, fence_wait
+from .pool import BufferPool
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -112,17 +111,15 @@ class GradShards:
     def __init__(self, layers: Mapping[int, nn.Module], chunk_of: Mapping[int, int], *,
                  is_expert: Callable[[str], bool], device: torch.device, device_pool: BufferPool,
                  rs_groups: tuple = (None, None), ag_groups: tuple = (None, None), lr: float = 1e-3,
-                 weight_decay: float = 0.01, copy_delay_s: float | None = None, fence_timeout_s: float = 300.0
+                 weight_decay: float = 0.01, copy_delay_s: float = 0.0, fence_timeout_s: float = 300.0
                  ) -> None:
-        import os
-
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.pool = device_pool
         self.is_expert = is_expert
         self.rs_groups, self.ag_groups = rs_groups, ag_groups
         self.lr, self.weight_decay = lr, weight_decay
-        self.copy_delay_s = float(os.environ.get(DELAY_ENV, "0") or 0) if copy_delay_s is None else copy_delay_s
+        self.copy_delay_s = copy_delay_s
         self.fence_timeout_s = fence_timeout_s
         self.chunk_of = dict(chunk_of)
         self.named = {L: sorted(m.named_parameters(), key=lambda kv: kv[0]) for L, m in layers.items()}

@@ -56,16 +56,15 @@ task's data, one lane at a time under the manager's lock, each lane's stream wai
 read-backs before it; its outputs reach the reading lanes' streams through
 ``SavedStore.get`` ([Note: cross-lane handoff]).
 
-Debug (``K3SCHED_OFFLOAD_DEBUG=1`` or ``debug=True``): every storage gets a checksum when it
+Debug (``debug=True``; ``K3SCHED_OFFLOAD_DEBUG=1`` in a run, [Note: runtime options]): every storage gets a checksum when it
 leaves (of its FP8 payload when quantized) that is verified when it returns; a mismatch raises
-naming the task and the tensor. ``copy_delay_s`` (or ``K3SCHED_OFFLOAD_DELAY_S``) sleeps inside
+naming the task and the tensor. ``copy_delay_s`` (``K3SCHED_OFFLOAD_DELAY_S`` in a run) sleeps inside
 each copy task after the copy was issued: a test hook that slows the copy lanes.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,8 +78,6 @@ from moe import handoff
 from .pool import BufferPool, fence_wait
 from .quant import FP8, TILE, Quantized, dequantize, quantize, quantized_nbytes
 
-DEBUG_ENV = "K3SCHED_OFFLOAD_DEBUG"
-DELAY_ENV = "K3SCHED_OFFLOAD_DELAY_S"
 ALIGN = 256
 
 
@@ -182,13 +179,12 @@ class ActivationManager:
     """Moves saved activation sets between the device, the host pool and peer ranks' pools."""
 
     def __init__(self, device: torch.device | str = "cpu", *, table: PolicyTable | None = None,
-                 debug: bool | None = None, copy_delay_s: float | None = None, remote_group=None,
+                 debug: bool = False, copy_delay_s: float = 0.0, remote_group=None,
                  compute_stream=None) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self.table = table or PolicyTable()
-        self.debug = bool(int(os.environ.get(DEBUG_ENV, "0") or 0)) if debug is None else debug
-        self.copy_delay_s = float(os.environ.get(DELAY_ENV, "0") or 0) if copy_delay_s is None else copy_delay_s
+        self.debug, self.copy_delay_s = debug, copy_delay_s
         self.device_pool = BufferPool("device", self.device, alloc_stream=compute_stream)
         self.host_pool = BufferPool("host", "cpu", pin=cuda)
         self.peer_pool = BufferPool("peer", self.device)

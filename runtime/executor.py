@@ -47,7 +47,6 @@ first executor that wants ranges prints one notice line.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
@@ -294,8 +293,8 @@ class Executor:
 
     ``lanes``: ordered tasks per lane (:func:`stage_lanes`). ``handlers``: kind -> callable(task).
     ``device``: a torch device; CUDA streams are used when it is a CUDA device. ``perturb``:
-    (lane, index or None) swaps two tasks of that lane; ``"env"`` (default) reads
-    ``K3SCHED_PERTURB``; None: no swap.
+    (lane, index or None) swaps two tasks of that lane (``K3SCHED_PERTURB`` in a run,
+    [Note: runtime options]); None: no swap.
     ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
     that the plan may leave implicit). ``nvtx``: push an NVTX range per task. ``serial``: one
     task at a time on this stage ([Note: serial execution]). ``shared_links``: groups of lanes whose
@@ -305,13 +304,11 @@ class Executor:
     """
 
     def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
-                 stage: int = 0, device=None, perturb: tuple[str, int | None] | str | None = "env",
+                 stage: int = 0, device=None, perturb: tuple[str, int | None] | None = None,
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
                  nvtx: bool = True, serial: bool = False, shared_links: list | tuple = (), racecheck=None) -> None:
         self.rank, self.stage = rank, stage
         self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
-        if perturb == "env":
-            perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
         self.perturbed = perturb_lanes(self.lanes, *perturb) if perturb else None
         self.handlers = dict(handlers)
         self.dep_timeout_s = dep_timeout_s

@@ -14,6 +14,7 @@ from k3sched.render import plan_to_json
 
 from .executor import Executor, StepRecord, stage_lanes
 from .groups import Layout, build_groups
+from .options import RuntimeOptions
 from .stage import StageRunner, StageSpec
 
 
@@ -27,8 +28,11 @@ class LocalRun:
 
 
 def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int | None = None, lr: float = 1e-3,
-              weight_decay: float = 0.01, perturb=None, capture_grads: bool = False) -> LocalRun:
-    """Train ``steps`` steps of a one-rank config in-process; returns losses, grads and traces."""
+              weight_decay: float = 0.01, perturb=None, capture_grads: bool = False,
+              options: RuntimeOptions | None = None) -> LocalRun:
+    """Train ``steps`` steps of a one-rank config in-process; returns losses, grads and traces.
+    ``options``: the test hooks of a launched run ([Note: runtime options]; ``perturb`` wins)."""
+    opts = options or RuntimeOptions()
     p = cfg.parallel
     if p.world != 1:
         raise ValueError(f"local_run needs a one-rank config (pp*ep*dp = 1); got {p.pp}*{p.ep}*{p.dp}")
@@ -36,10 +40,11 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
     doc = plan_to_json(plan(cfg, strategy))
     lanes = stage_lanes(doc, 0)
     runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=seed, lr=lr,
-                         weight_decay=weight_decay)
+                         weight_decay=weight_decay, offload_debug=opts.offload_debug, copy_delay_s=opts.copy_delay_s,
+                         unsafe_shared_dx=opts.unsafe_shared_dx)
     runner.bind_plan(lanes)
     run = LocalRun(doc)
-    with Executor(lanes, runner.handlers(), perturb=perturb, extra_deps=runner.extra_deps(lanes),
+    with Executor(lanes, runner.handlers(), perturb=perturb or opts.perturb, extra_deps=runner.extra_deps(lanes),
                   dep_timeout_s=60.0, serial=doc["strategy"] == "serial",
                   shared_links=doc.get("shared_links", ())) as ex:
         for step in range(steps):

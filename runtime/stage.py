@@ -175,12 +175,6 @@ def synthetic_batch(seed: int, step: int, replica: int, mb: int, batch: int, seq
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-UNSAFE_SHARED_DX_ENV = "K3SCHED_UNSAFE_SHARED_DX"
-"""Test-only: ``1`` makes shared.dx add into the layer's one ``xn`` gradient buffer, beside
-dispatch.bwd on the ep lane, as before [Note: partial input gradients] (the race detector's
-regression test)."""
-
-
 class PendingSends:
     """P2P sends in flight: (work, buffer) of each ``isend``, so the buffer lives until the
     transfer is done. A reaper thread waits on them in order and drops each once its transfer
@@ -342,8 +336,9 @@ class StageRunner:
 
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
-                 remote_group=None, offload_debug: bool | None = None, copy_delay_s: float | None = None,
-                 p2p: str = "buffered", p2p_timeout_s: float = 120.0, compute_stream=None) -> None:
+                 remote_group=None, offload_debug: bool = False, copy_delay_s: float = 0.0,
+                 p2p: str = "buffered", p2p_timeout_s: float = 120.0, compute_stream=None,
+                 unsafe_shared_dx: bool = False) -> None:
         self.cfg, self.spec, self.groups = cfg, spec, groups
         self.args = model_args(cfg)
         self.device = device or torch.device("cpu")
@@ -359,9 +354,7 @@ class StageRunner:
         self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
                                       copy_delay_s=copy_delay_s, remote_group=remote_group,
                                       compute_stream=compute_stream)
-        import os
-
-        self.unsafe_shared_dx = os.environ.get(UNSAFE_SHARED_DX_ENV, "") == "1"
+        self.unsafe_shared_dx = unsafe_shared_dx  # [Note: runtime options]: K3SCHED_UNSAFE_SHARED_DX
         self.gshards: GradShards | None = None
         opt_params = self.params
         if cfg.schedule.grad_offload:

@@ -33,12 +33,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-FAIL_RANK_ENV = "K3SCHED_FAIL_RANK"
-FAIL_TASK_ENV = "K3SCHED_FAIL_TASK"
 TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
-FAIL_STEP_ENV = "K3SCHED_FAIL_STEP"
-FAIL_SIGNAL_ENV = "K3SCHED_FAIL_SIGNAL"
-DETERMINISTIC_ENV = "K3SCHED_DETERMINISTIC"
 
 
 class UserError(Exception):
@@ -90,10 +85,6 @@ def _env_int(name: str, default: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.environ.get("K3SCHED_STACKS_AFTER_S"):  # debugging aid: dump every thread's stack once
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["K3SCHED_STACKS_AFTER_S"]), exit=False)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     _mark_rank(rank)
     out: Path = args.out
@@ -340,11 +331,22 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     import torch
     import torch.distributed as dist
 
+    from runtime.options import RuntimeOptions
+
+    try:
+        opts = RuntimeOptions.from_env(os.environ, rank)  # [Note: runtime options]: the only read
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if opts.stacks_after_s is not None:  # debugging aid: dump every thread's stack once
+        import faulthandler
+
+        faulthandler.dump_traceback_later(opts.stacks_after_s, exit=False)
+
     from k3sched.config import ConfigError, load_config
     from k3sched.planner import InfeasibleBudget, plan
     from k3sched.render import plan_to_json
 
-    from runtime.executor import PERTURB_ENV, Executor, parse_perturb, perturb_lanes, stage_lanes
+    from runtime.executor import Executor, perturb_lanes, stage_lanes
     from k3sched.p2pcheck import P2PDeadlock, check_plan
     from runtime.groups import (Layout, build_groups, build_p2p_groups, p2p_edges, verify_orders, verify_same_plan,
                                 warm_up_p2p)
@@ -360,7 +362,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                         f"started WORLD_SIZE={world}")
     seed = cfg.schedule.seed if args.seed is None else args.seed
     torch.manual_seed(seed)
-    if os.environ.get(DETERMINISTIC_ENV) == "1":  # bitwise comparisons in tests (on CUDA)
+    if opts.deterministic:  # bitwise comparisons in tests (on CUDA)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -395,25 +397,21 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     stage = lo.pp_idx
     spec = StageSpec.of(cfg, stage)
     lanes = stage_lanes(doc, stage)
-    fail_task = None
-    if os.environ.get(FAIL_RANK_ENV, "") == str(rank):
-        fail_task = os.environ.get(FAIL_TASK_ENV) or "*"
     remote_group = build_remote_group(groups, doc, timeout=timeout)
     strict = args.p2p == "strict" and not use_cuda  # NCCL is strict by itself
     build_p2p_groups(groups, p2p_edges(spec.vstage_rank), ready=strict, timeout=timeout)
     warm_up_p2p(groups, args.timeout, device)  # [Note: NCCL-safe P2P]
     runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
-                         fail_task=fail_task, remote_group=remote_group,
-                         offload_debug=True if args.offload_debug else None,
+                         fail_task=opts.fail_task, remote_group=remote_group,
+                         offload_debug=args.offload_debug or opts.offload_debug, copy_delay_s=opts.copy_delay_s,
+                         unsafe_shared_dx=opts.unsafe_shared_dx,
                          p2p="strict" if strict else "buffered", p2p_timeout_s=args.timeout)
     runner.bind_plan(lanes)
-    if fail_task is not None:
-        runner.fail_step = int(os.environ[FAIL_STEP_ENV]) if os.environ.get(FAIL_STEP_ENV) else None
-        runner.fail_kill = os.environ.get(FAIL_SIGNAL_ENV, "").upper() in ("KILL", "SIGKILL", "9")
-        runner.fail_hang = os.environ.get(FAIL_SIGNAL_ENV, "").upper() == "HANG"
+    if opts.fail_task is not None:
+        runner.fail_step, runner.fail_kill, runner.fail_hang = (opts.fail_step, opts.fail_signal == "KILL",
+                                                                opts.fail_signal == "HANG")
     ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, seed)
-    perturb = parse_perturb(os.environ.get(PERTURB_ENV), rank)
-    perturbed = perturb_lanes(lanes, *perturb) if perturb else None  # before the check: it must see it
+    perturbed = perturb_lanes(lanes, *opts.perturb) if opts.perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     verify_remote_orders(groups, lanes, stage)
     lanes, extra, planned_deps = _race_setup(args, lanes, runner.extra_deps(lanes), stage)

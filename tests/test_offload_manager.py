@@ -19,6 +19,7 @@ from offload.manager import KEEP, OFFLOAD, OFFLOAD_FP8
 from runtime.measure import saved_bytes_profile, write_profile
 from offload.quant import dequantize, quantize
 from runtime.local import local_run
+from runtime.options import RuntimeOptions
 
 from conftest import FakeCtx
 
@@ -105,13 +106,14 @@ def test_debug_checksum_names_task_and_tensor_on_corruption():
         m.onload_local("s0/mb1/L0/act", lc, "s0/mb1/L0/act.onload")
 
 
-def test_slowed_copy_lane_stays_bitwise_only_slower(monkeypatch):
+def test_slowed_copy_lane_stays_bitwise_only_slower():
     cfg = load_config(TINY, ONE_RANK)
     fast = local_run(cfg, 2, capture_grads=True)
-    monkeypatch.setenv("K3SCHED_OFFLOAD_DEBUG", "1")  # checksums + residency checks on every task
-    monkeypatch.setenv("K3SCHED_OFFLOAD_DELAY_S", "0.05")  # every copy task sleeps after its copy
+    # checksums + residency checks on every task; every copy task sleeps 50 ms after its copy
+    slow_opts = RuntimeOptions.from_env({"K3SCHED_OFFLOAD_DEBUG": "1", "K3SCHED_OFFLOAD_DELAY_S": "0.05"}, 0)
+    assert (slow_opts.offload_debug, slow_opts.copy_delay_s) == (True, 0.05)
     t0 = time.perf_counter()
-    slow = local_run(cfg, 2, capture_grads=True)
+    slow = local_run(cfg, 2, capture_grads=True, options=slow_opts)
     took = time.perf_counter() - t0
     n_copies = len(slow.plan["stages"][0]["lanes"]["offload_local"])
     assert n_copies > 0

@@ -35,7 +35,8 @@ from runtime.executor import Executor, PlanTask, TaskError, stage_lanes
 from runtime.groups import Layout, build_groups
 from runtime.launch import run_command
 from runtime.racecheck import (RaceChecker, apply_drops, check_drops, clean_line, parse_drop, same_stage_deps)
-from runtime.stage import UNSAFE_SHARED_DX_ENV, StageRunner, StageSpec
+from runtime.options import UNSAFE_SHARED_DX_ENV
+from runtime.stage import StageRunner, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -222,14 +223,15 @@ def _move_after(lanes: dict, lane: str, task: str, after: str) -> None:
 
 
 def _local(overrides: list[str], *, strategy: str | None = None, steps: int = 1, reorder=None, check: bool = True,
-           drops: tuple[str, ...] = ()):
+           drops: tuple[str, ...] = (), unsafe_shared_dx: bool = False):
     """Train ``steps`` steps of the one-rank config in this process (what ``runtime.train`` does
     per rank), under the race detector when ``check``; returns (losses, grads of step 0, reports).
     A step that fails ends the run with its report (``failed``)."""
     cfg = load_config(TINY, ONE + overrides)
     doc = plan_to_json(plan(cfg, strategy))
     lanes = stage_lanes(doc, 0)
-    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=cfg.schedule.seed)
+    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=cfg.schedule.seed,
+                         unsafe_shared_dx=unsafe_shared_dx)
     runner.bind_plan(lanes)
     if reorder:
         reorder(lanes)
@@ -296,14 +298,12 @@ def _shared_dx_after_expert_dx(lanes: dict) -> None:
     _move_after(lanes, "compute", sdx, sdx.replace("shared.dx", "expert.dx"))
 
 
-def test_the_shared_dx_dispatch_bwd_race_is_caught_without_the_fix_and_gone_with_it(monkeypatch):
+def test_the_shared_dx_dispatch_bwd_race_is_caught_without_the_fix_and_gone_with_it():
     over = ["parallel.microbatches=1"]
-    monkeypatch.setenv(UNSAFE_SHARED_DX_ENV, "1")
-    unsafe_losses, unsafe_grads, (rep,) = _local(over, reorder=_shared_dx_after_expert_dx)
+    unsafe_losses, unsafe_grads, (rep,) = _local(over, reorder=_shared_dx_after_expert_dx, unsafe_shared_dx=True)
     lines = [r.line() for r in rep.races]
     assert any("s0/mb0/L1/shared.dx (compute)" in ln and "s0/mb0/L1/dispatch.bwd (ep)" in ln
                and "grad_xn_TD" in ln for ln in lines), lines
-    monkeypatch.delenv(UNSAFE_SHARED_DX_ENV)
     losses, grads, (rep,) = _local(over, reorder=_shared_dx_after_expert_dx)
     assert rep.races == [], rep.races[0].line()
     # partial sums summed by router.bwd: the very numbers of the one shared buffer

@@ -156,7 +156,7 @@ def test_nsys_records_one_nvtx_range_per_task_on_the_lane_threads(tmp_path, capf
 def test_serial_run_is_serial_on_every_rank_and_trains_like_k3(tiny_run, tmp_path):
     """The serial baseline runs one task at a time per rank (PP 2 x EP 2: sends wait for their
     receipt), and computes what the co-schedule computes."""
-    from tests.test_runtime_executor import overlapping_pairs
+    from test_runtime_executor import overlapping_pairs  # tests/ is on sys.path (rootdir conftest)
 
     assert run_command(TINY, [], 2, None, tmp_path, False, "serial", timeout_s=LIMIT_S, quiet=True) == 0
     for rank in range(4):
