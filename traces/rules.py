@@ -191,6 +191,14 @@ class Joined:
     def dep_pairs(self) -> DepPairs:
         return dep_pairs(self)
 
+    @cached_property
+    def onloads(self) -> list[tuple[int, int, int, int, int]]:
+        return onload_instances(self)
+
+    @cached_property
+    def off_thread(self) -> list[tuple[int, int, int | None]]:
+        return _off_thread(self)
+
 
 def join(plan, events: EventTable, *, clock: str = "auto", tolerance_us: float = 5.0,
          cross_rank_clocks: bool = False, only_traced_stages: bool = False) -> Joined:
@@ -389,7 +397,7 @@ def lane_mapping(J: Joined) -> list[Violation]:
     P = J.P
     V = [Violation("lane_mapping", None, r, f"lanes {P.lanes[o]} and {P.lanes[li]} both run on tid {u}", 0.0)
          for r, o, li, u in J.threads.shared]
-    for i, want, other in _off_thread(J):
+    for i, want, other in J.off_thread:
         if other is None:
             V.append(Violation("lane_mapping", P.ids[J.task[i]], int(J.rank[i]),
                                f"ran on tid {J.tid[i]}, which is no lane's; lane {P.lanes[J.lane[i]]} runs on "
@@ -402,7 +410,7 @@ def wrong_lane(J: Joined) -> list[Violation]:
     P = J.P
     return [Violation("wrong_lane", P.ids[J.task[i]], int(J.rank[i]),
                       f"ran on tid {J.tid[i]} (lane {P.lanes[other]}), planned lane {P.lanes[J.lane[i]]} (tid {want})",
-                      float(J.end[i] - J.start[i])) for i, want, other in _off_thread(J) if other is not None]
+                      float(J.end[i] - J.start[i])) for i, want, other in J.off_thread if other is not None]
 
 
 def stream_mapping(J: Joined) -> list[Violation]:
@@ -506,7 +514,7 @@ def dependency(J: Joined) -> list[Violation]:
 def onload_before_offload(J: Joined) -> list[Violation]:
     """An onload started before its offload ended (same buffer, else same scope), on one rank."""
     P, V = J.P, []
-    for on_t, off_t, r, a, b in onload_instances(J):
+    for on_t, off_t, r, a, b in J.onloads:
         dv = bool(J.on_dev[a] and J.on_dev[b])
         sa, eb = (J.start[a], J.end[b]) if dv else (J.hstart[a], J.hend[b])
         if sa < eb - J.tolerance_us:

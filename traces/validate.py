@@ -141,7 +141,7 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
     n_dev = int(J.on_dev.sum())
     metrics.update({"tolerance_us": tolerance_us, "planned_tasks": len(J.P.ids), "matched_instances": int(len(J.task)),
                     "repeated_instances": J.repeats, "ranks": len(J.ranks), "stage_of_rank": J.stages.stage_of,
-                    "cross_rank_deps_skipped": J.dep_pairs.skipped, "onload_pairs_checked": len(rules.onload_instances(J)),
+                    "cross_rank_deps_skipped": J.dep_pairs.skipped, "onload_pairs_checked": len(J.onloads),
                     "clock": J.clock, "clock_counts": {"device": n_dev, "host": int(len(J.task)) - n_dev},
                     "device": _device_metrics(J),
                     "violation_counts": {t: sum(v.type == t for v in V) for t in _TYPE_ORDER
