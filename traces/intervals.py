@@ -65,5 +65,3 @@ def lis_mask(seq: np.ndarray) -> np.ndarray:
         keep[i] = True
         i = prev[i]
     return keep
-
-
