@@ -636,7 +636,7 @@ def _last_of(key: tuple[int, int, int], choice: str, tasks: list[Task], g: StepG
 def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequence[str] = ACT_CHOICES,
                hint_plans: "Sequence[Plan]" = (), deterministic_time: float = 5.0, time_limit_s: float = 60.0,
                workers: int = 1, seed: int = 0, scale: int = 100,
-               fixed: "dict[tuple[int, int, int], str] | None" = None) -> ExactResult:
+               fixed: "dict[tuple[int, int, int], str] | None" = None, memory: str = "cumulative") -> ExactResult:
     """Minimise the step time of ``cfg`` with the compute order free, the device memory bounded
     by ``budget_bytes`` (default ``cfg.budget_bytes``) and each activation set's storage a
     decision ([Note: exact free-order model]). Stops on CP-SAT's deterministic time
@@ -644,7 +644,8 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
     ``time_limit_s`` is only a safety net). ``hint_plans``: heuristic plans of the same config
     (any backbone on the same placement and offload policy); each one's schedule, re-timed with the
     rounded durations, is a starting solution when it stays within the budget. ``fixed``: activation
-    sets whose storage is given (set -> choice), the rest decided.
+    sets whose storage is given (set -> choice), the rest decided. ``memory``: ``cumulative`` ([Note:
+    memory as a cumulative]) or ``reservoir`` (the same levels as events; slower, kept as a check).
 
     [Note: exact free-order model]
     OptPipe's formulation on the task DAG of ``graph.build_step`` (no activation offload tasks):
@@ -827,7 +828,9 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
     for ivs in by_res.values():
         if len(ivs) > 1:
             m.add_no_overlap(ivs)
-    pieces = _memory_pieces(g)
+    if memory not in ("cumulative", "reservoir"):
+        raise ValueError(f"exact solve: memory must be cumulative or reservoir; got {memory!r}")
+    pieces = _memory_pieces(g) if memory == "cumulative" else None
     if pieces is None:  # no pairing of allocations with frees: one reservoir per stage
         ev: dict[int, tuple[list, list, list]] = {}
         for tid, t in every.items():

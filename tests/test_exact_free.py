@@ -211,3 +211,15 @@ def test_cli_plan_exact_order_free() -> None:
     assert "exact, order free, budget" in text and "activation sets keep" in text and "% vs" in text
     bad = CliRunner().invoke(app, args[:-4] + ["--exact-order", "sideways"])
     assert bad.exit_code == 2 and "--exact-order: must be backbone or free" in bad.output
+
+
+def test_reservoir_fallback_agrees_with_the_cumulative() -> None:
+    """The same memory levels as a reservoir of events (the fallback when allocations and frees do
+    not pair): its schedule is valid too and never shorter than the optimum the cumulative proves, so
+    the pairing into intervals does not cut off schedules the events allow."""
+    cfg = instance_config("pp2-m2-dense-loose")
+    cum = solve_free(cfg, deterministic_time=0.5)
+    res = solve_free(cfg, deterministic_time=0.5, memory="reservoir")
+    assert cum.optimal and res.status in ("OPTIMAL", "FEASIBLE")
+    check_schedule(cfg, res)
+    assert res.objective_us >= cum.objective_us
