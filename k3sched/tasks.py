@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 LANES: tuple[str, ...] = ("compute", "ep", "collective", "offload_local", "offload_remote")
+LANE_INDEX = {lane: i for i, lane in enumerate(LANES)}
 COMM_LANES: tuple[str, ...] = ("ep", "collective")
 
 

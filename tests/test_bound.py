@@ -19,7 +19,8 @@ from k3sched.bound import format_gap_report, gap_report, memory_lower_bound_us, 
 from k3sched.config import GiB, load_config
 from k3sched.exact import solve_exact
 from k3sched.graph import build_step
-from k3sched.planner import lower_bound_us, plan
+from k3sched.metrics import lower_bound_us
+from k3sched.planner import plan
 
 from conftest import CONFIGS
 

@@ -223,7 +223,7 @@ def test_balanced_layer_split_leaves_room_for_the_head():
 
 
 def test_lower_bound_is_jackson_preemptive_bound():
-    from k3sched.planner import _jackson_preemptive
+    from k3sched.metrics import _jackson_preemptive
 
     # two jobs released at 0 and 1: run the long-tail one first, preempting
     assert _jackson_preemptive([(0.0, 4.0, 0.0), (1.0, 1.0, 10.0)]) == 12.0

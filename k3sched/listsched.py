@@ -1,0 +1,310 @@
+"""One list schedule of a step graph: the event-driven scheduler behind the planner's ``k3`` and
+``serial`` strategies (see the module docstring of :mod:`k3sched.planner` for the rules). The
+planner calls :func:`list_schedule` once per offload choice and memory level it tries."""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .cost import CostModel
+from .graph import StepGraph
+from .simulator import DeadlockError
+from .tasks import LANE_INDEX, LANES, Kind
+
+# -- list scheduler ---------------------------------------------------------------------------
+_P2P = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV})
+_BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
+
+
+@dataclass
+class _Prepared:
+    """Per-task arrays of a step graph, built once and reused by every scheduling attempt."""
+
+    ids: list[str]
+    succ: list[list[int]]
+    ssucc: list[list[int]]
+    ndeps: list[int]
+    nsdeps: list[int]
+    stage: list[int]
+    lane: list[int]
+    slot: list[int]
+    wgrad: list[bool]
+    main: list[bool]
+    p2p: list[bool]
+    background: list[bool]
+    dur: list[float]
+    feeds_main: list[bool]  # a non-compute task whose end a main compute task of its stage waits on
+
+
+_MAX_SLOT = 1 << 30
+
+
+def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
+    tasks = g.tasks
+    ids = list(tasks)  # creation order == topological order
+    index = {t: i for i, t in enumerate(ids)}
+    n = len(ids)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    ssucc: list[list[int]] = [[] for _ in range(n)]
+    ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur = ([] for _ in range(10))
+    for i, tid in enumerate(ids):
+        t = tasks[tid]
+        v, u, mb = g.unit[tid]
+        s = slots.get((v, u, mb))
+        if s is None:
+            s = _MAX_SLOT if (t.kind is Kind.OPTIM or mb < 0) else slots.get((v, "I", mb), _MAX_SLOT)
+        ln = LANE_INDEX[t.lane]
+        wg = t.is_wgrad
+        stage.append(t.stage)
+        lane.append(ln)
+        slot.append(s)
+        wgrad.append(wg)
+        main.append(ln == 0 and not wg and t.kind is not Kind.OPTIM)
+        p2p.append(t.kind in _P2P)
+        bg.append(t.kind in _BACKGROUND)
+        dur.append(t.duration_us)
+        for d in t.deps:
+            succ[index[d]].append(i)
+        ndeps.append(len(t.deps))
+        sd = g.start_deps.get(tid, ())
+        for d in sd:
+            ssucc[index[d]].append(i)
+        nsdeps.append(len(sd))
+    feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
+    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds)
+
+
+def _resources(g: StepGraph, prep: _Prepared, serial: bool) -> tuple[list[int], list[int]]:
+    """Resource id of every task and the compute resource of every stage. Communication and copy
+    lanes come before compute, so a compute decision at an instant sees the transfers that start at
+    that instant (gap-aware WGrad fill); lanes of one shared link are one resource
+    ([Note: shared links]); under ``serial`` a stage is one resource."""
+    nlanes, nstages = len(LANES), g.cfg.parallel.pp
+    share = list(range(nlanes))  # lane -> the lane whose resource it uses
+    for group in CostModel(g.cfg).shared_links():
+        for lane in group[1:]:
+            share[LANE_INDEX[lane]] = LANE_INDEX[group[0]]
+    res = [st if serial else ((share[ln] - 1) % nlanes) * nstages + st for st, ln in zip(prep.stage, prep.lane)]
+    res_compute = [st if serial else (nlanes - 1) * nstages + st for st in range(nstages)]
+    return res, res_compute
+
+
+def _priority_keys(prep: _Prepared, serial: bool, lag: int) -> list[int]:
+    """Ready-queue key of every task: backbone slot first (a WGrad task counts ``lag`` slots later
+    and loses ties; a background collective yields to everything on its lane), then index."""
+    key = []
+    for i in range(len(prep.ids)):
+        if prep.background[i] and not serial:
+            k = _MAX_SLOT
+        elif prep.wgrad[i]:
+            k = min(prep.slot[i] + lag, _MAX_SLOT)
+        else:
+            k = prep.slot[i]
+        key.append((2 * k + (1 if prep.wgrad[i] else 0)) * (1 << 22) + i)
+    return key
+
+
+def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t: list[float],
+                 end_t: list[float]) -> dict[tuple[int, str], list[str]]:
+    """Write the start and end times into the graph's tasks; the task ids per (stage, lane) in the
+    order they started."""
+    tasks, ids = g.tasks, prep.ids
+    for i, tid in enumerate(ids):
+        t = tasks[tid]
+        t.start_us = start_t[i]
+        t.end_us = end_t[i]
+    lane_orders: dict[tuple[int, str], list[str]] = {(s, lane): [] for s in range(g.cfg.parallel.pp)
+                                                      for lane in LANES}
+    for order in orders:
+        for i in order:
+            t = tasks[ids[i]]
+            lane_orders[(t.stage, t.lane)].append(t.id)
+    return lane_orders
+
+
+class _SlotGate:
+    """Per rank, main tasks of slot s are eligible once all main tasks of the slots before the first
+    unfinished one (plus ``lookahead`` slots) have started; a main task past its rank's gate is
+    held until the gate opens."""
+
+    def __init__(self, prep: _Prepared, skip: frozenset[int], nstages: int, lookahead: int) -> None:
+        self.remaining: list[dict[int, int]] = [defaultdict(int) for _ in range(nstages)]
+        for i in range(len(prep.ids)):
+            if prep.main[i] and i not in skip:
+                self.remaining[prep.stage[i]][prep.slot[i]] += 1
+        self.slots = [sorted(r) for r in self.remaining]
+        self.pos = [0] * nstages
+        self.lookahead = lookahead
+        self.held: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(nstages)]
+        self.gates = [self._gate(st) for st in range(nstages)]
+
+    def _gate(self, st: int) -> int:
+        gs, pos = self.slots[st], self.pos[st] + self.lookahead
+        return gs[pos] if pos < len(gs) else _MAX_SLOT
+
+    def first_open(self, st: int) -> int:
+        gs = self.slots[st]
+        return gs[self.pos[st]] if self.pos[st] < len(gs) else _MAX_SLOT
+
+    def started(self, st: int, slot: int) -> list[int]:
+        """A main task of ``slot`` on rank ``st`` started: the held tasks the gate now releases."""
+        rem, gs = self.remaining[st], self.slots[st]
+        rem[slot] -= 1
+        out: list[int] = []
+        while self.pos[st] < len(gs) and rem[gs[self.pos[st]]] == 0:
+            self.pos[st] += 1
+            old, self.gates[st] = self.gates[st], self._gate(st)
+            h = self.held[st]
+            for s_ in [s_ for s_ in h if old < s_ <= self.gates[st]]:
+                out.extend(h.pop(s_))
+        return out
+
+
+def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
+                   skip: frozenset[int] = frozenset()) -> dict[tuple[int, str], list[str]]:
+    """Event-driven list scheduling (see module docstring). ``skip``: task indices left out (offload
+    tasks not chosen in this attempt); a dependency on a skipped task counts as met."""
+    n = len(prep.ids)
+    stage_of, slot, succ, ssucc, dur = prep.stage, prep.slot, prep.succ, prep.ssucc, prep.dur
+    is_main, is_p2p, is_bg, is_w, feeds = prep.main, prep.p2p, prep.background, prep.wgrad, prep.feeds_main
+    nstages = g.cfg.parallel.pp
+    res, res_compute = _resources(g, prep, serial)
+    lag = 0 if serial else wgrad_lag
+    key = _priority_keys(prep, serial, lag)
+    npending = [a + b for a, b in zip(prep.ndeps, prep.nsdeps)]
+    unstarted = list(prep.ndeps)  # deps not yet started (for the imminent-P2P rule)
+    for i in skip:
+        npending[i] = 1 << 40  # never becomes ready
+        for j in succ[i]:
+            npending[j] -= 1
+            unstarted[j] -= 1
+        for j in ssucc[i]:
+            npending[j] -= 1
+    gate = _SlotGate(prep, skip, nstages, lookahead)
+    gates, held = gate.gates, gate.held
+    nres = max(res) + 1 if n else 0
+    ready: list[list[tuple[int, int]]] = [[] for _ in range(nres)]
+    imminent = [0] * nres  # P2P tasks whose deps have all started but are not yet running
+    busy = [False] * nres
+    orders: list[list[int]] = [[] for _ in range(nres)]
+    events: list[tuple[float, int, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    start_t = [0.0] * n
+    end_t = [0.0] * n
+    # [Note: gap-aware WGrad fill] A WGrad task fills compute idle time only if the idle gap it fills
+    # (until the earliest in-flight transfer that a backbone (main) compute task of the stage waits
+    # on ends) is at least as long as the delay it causes past that point (duration <= 2 x gap);
+    # else another WGrad that qualifies is taken, or the lane waits. An overdue WGrad (more than
+    # `wgrad_lag` slots behind the first unfinished slot) is never held back.
+    feeding: list[list[float]] = [[] for _ in range(nstages)]
+
+    def pick_fill(q: list[tuple[int, int]], top: int, t_now: float, st: int) -> int:
+        fq = feeding[st]
+        while fq and fq[0] <= t_now:
+            heappop(fq)
+        gap = fq[0] - t_now if fq else float("inf")
+        if dur[top] <= 2 * gap or slot[top] + lag < gate.first_open(st):
+            heappop(q)
+            return top
+        best = -1
+        for k_, j in q:
+            if is_w[j] and dur[j] <= 2 * gap and (best < 0 or k_ < key[best]):
+                best = j
+        if best >= 0:
+            q.remove((key[best], best))
+            heapq.heapify(q)
+        return best
+
+    def make_ready(i: int) -> None:
+        st = stage_of[i]
+        if is_main[i] and slot[i] > gates[st]:
+            held[st][slot[i]].append(i)
+        else:
+            heappush(ready[res[i]], (key[i], i))
+
+    # Resources that may be able to start a task now, visited in resource order (a heap plus a flag).
+    pend_heap = list(range(nres))
+    flagged = [True] * nres
+
+    def wake(r: int) -> None:
+        if not flagged[r]:
+            flagged[r] = True
+            heappush(pend_heap, r)
+
+    seq = 0  # events at one instant pop in start order
+
+    def start(i: int, r: int, now: float) -> None:
+        nonlocal seq
+        busy[r] = True
+        orders[r].append(i)
+        heappush(events, (now + dur[i], seq, i))
+        seq += 1
+        start_t[i] = now
+        if feeds[i]:
+            heappush(feeding[stage_of[i]], now + dur[i])
+        if is_p2p[i]:
+            imminent[r] -= 1
+        for j in succ[i]:
+            unstarted[j] -= 1
+            if unstarted[j] == 0 and is_p2p[j]:
+                imminent[res[j]] += 1
+        for j in ssucc[i]:
+            npending[j] -= 1
+            if npending[j] == 0:
+                make_ready(j)
+                wake(res[j])
+        if is_main[i]:
+            for j in gate.started(stage_of[i], slot[i]):
+                heappush(ready[res[j]], (key[j], j))
+                wake(res[j])
+
+    for i in range(n):
+        if i in skip:
+            continue
+        if is_p2p[i] and unstarted[i] == 0:
+            imminent[res[i]] += 1
+        if npending[i] == 0:
+            make_ready(i)
+    now = 0.0
+    started = 0
+    while True:
+        while pend_heap:
+            r = heappop(pend_heap)
+            flagged[r] = False
+            q = ready[r]
+            if busy[r] or not q:
+                continue
+            i = q[0][1]
+            if is_bg[i] and imminent[r] and not serial:
+                continue  # a P2P transfer is about to become ready: keep the lane for it
+            if is_w[i] and not serial:
+                i = pick_fill(q, i, now, stage_of[i])
+                if i < 0:
+                    continue  # every WGrad would delay the backbone task about to become ready
+            else:
+                heappop(q)
+            start(i, r, now)
+            started += 1
+        if not events:
+            break
+        now, _, i = heappop(events)
+        batch = [i]
+        while events and events[0][0] == now:
+            batch.append(heappop(events)[2])
+        for i in batch:
+            end_t[i] = now
+            busy[res[i]] = False
+            wake(res[i])
+            wake(res_compute[stage_of[i]])  # a fill decision may change now
+            for j in succ[i]:
+                npending[j] -= 1
+                if npending[j] == 0:
+                    make_ready(j)
+                    wake(res[j])
+    if started != n - len(skip):
+        stuck = [prep.ids[i] for i in range(n) if i not in skip and not any(i in o for o in orders)][:6]
+        raise DeadlockError(f"plan deadlocks: {n - len(skip) - started} tasks never became ready, e.g. "
+                            f"{', '.join(stuck)}")
+    return _lane_orders(g, prep, orders, start_t, end_t)

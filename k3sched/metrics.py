@@ -1,0 +1,186 @@
+"""Metrics of a planned step: critical-path and resource lower bounds on the step time, the
+per-stage device memory timeline and its peaks, and the plan's summary figures (``metrics`` in
+plan.json, docs/formats.md)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+
+import numpy as np
+
+from .graph import StepGraph
+from .simulator import MemoryTimeline, memory_timeline
+from .tasks import LANE_INDEX, LANES, Task
+
+# -- metrics ----------------------------------------------------------------------------------
+def _merge(iv: np.ndarray) -> np.ndarray:
+    """Union of [start, end) intervals (n x 2), sorted."""
+    if len(iv) == 0:
+        return iv.reshape(0, 2)
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(iv[:, 1])
+    new = np.empty(len(iv), dtype=bool)
+    new[0] = True
+    new[1:] = iv[1:, 0] > ends[:-1]
+    starts = iv[new, 0]
+    grp = np.cumsum(new) - 1
+    gend = np.zeros(int(grp[-1]) + 1)
+    np.maximum.at(gend, grp, ends)
+    return np.stack([starts, gend], axis=1)
+
+
+def _covered(a: np.ndarray, b: np.ndarray) -> float:
+    """Length of merged intervals a intersected with merged intervals b."""
+    if len(a) == 0 or len(b) == 0:
+        return 0.0
+    total = 0.0
+    j = 0
+    for s, e in a:
+        while j < len(b) and b[j, 1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k, 0] < e:
+            total += min(e, b[k, 1]) - max(s, b[k, 0])
+            k += 1
+    return total
+
+
+def path_bounds(g: StepGraph) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Critical path with unlimited lanes, and per task its earliest start (head) and the longest
+    chain that must follow its end (tail). Start deps count as zero-length start-to-start edges."""
+    tasks = g.tasks
+    head: dict[str, float] = {}
+    for tid, t in tasks.items():  # creation order is topological
+        s = 0.0
+        for d in t.deps:
+            e = head[d] + tasks[d].duration_us
+            if e > s:
+                s = e
+        for d in g.start_deps.get(tid, ()):
+            if head[d] > s:
+                s = head[d]
+        head[tid] = s
+    tail: dict[str, float] = dict.fromkeys(tasks, 0.0)
+    for tid in reversed(list(tasks)):
+        t = tasks[tid]
+        after = tail[tid] + t.duration_us  # chain from this task's start to the sink
+        for d in t.deps:
+            if after > tail[d]:
+                tail[d] = after
+    cp = max((head[t] + tasks[t].duration_us + tail[t] for t in tasks), default=0.0)
+    return cp, head, tail
+
+
+def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:
+    """Makespan of the optimal preemptive one-machine schedule of jobs (release, duration, tail):
+    run the released job with the longest tail (Jackson's rule). It is a lower bound on any
+    non-preemptive schedule of the same jobs on that machine."""
+    jobs = sorted(jobs)
+    ready: list[tuple[float, float, int]] = []  # (-tail, remaining, index)
+    t, i, best, n = 0.0, 0, 0.0, len(jobs)
+    while i < n or ready:
+        if not ready and t < jobs[i][0]:
+            t = jobs[i][0]
+        while i < n and jobs[i][0] <= t:
+            heapq.heappush(ready, (-jobs[i][2], jobs[i][1], i))
+            i += 1
+        negq, rem, j = heapq.heappop(ready)
+        nxt = jobs[i][0] if i < n else float("inf")
+        run = min(rem, nxt - t)
+        t += run
+        if rem - run > 1e-12:
+            heapq.heappush(ready, (negq, rem - run, j))
+        else:
+            best = max(best, t - negq)
+    return best
+
+
+def lower_bound_us(g: StepGraph, paths: tuple | None = None) -> tuple[float, float, float]:
+    """(bound, critical path, max lane busy). ``paths``: ``path_bounds(g)`` if known. Each task gets its earliest start (head) and the
+    chain that must follow it (tail) from the DAG; each (stage, lane) runs one task at a time, so
+    the optimal preemptive schedule of its tasks with those heads and tails (Jackson's rule) bounds
+    the step from below; so does the critical path."""
+    cp, head, tail = paths if paths is not None else path_bounds(g)
+    jobs: dict[tuple[int, str], list[tuple[float, float, float]]] = defaultdict(list)
+    for tid, t in g.tasks.items():
+        jobs[(t.stage, t.lane)].append((head[tid], t.duration_us, tail[tid]))
+    busy = max((sum(j[1] for j in js) for js in jobs.values()), default=0.0)
+    bound = max([cp] + [_jackson_preemptive(js) for js in jobs.values()])
+    return bound, cp, busy
+
+
+def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline]) -> dict:
+    pp = g.cfg.parallel.pp
+    tasks = list(g.tasks.values())
+    step = max((t.end_us for t in tasks), default=0.0)
+    busy = np.zeros((pp, len(LANES)))
+    iv: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for t in tasks:
+        busy[t.stage, LANE_INDEX[t.lane]] += t.duration_us
+        if t.duration_us > 0:
+            iv[(t.stage, t.lane)].append((t.start_us, t.end_us))
+    from .bound import memory_lower_bound_us
+
+    paths = path_bounds(g)
+    lb, cp, lb_lanes = lower_bound_us(g, paths)
+    mlb = memory_lower_bound_us(g, lb=lb, paths=paths)
+    bubble, exposed, exposed_us = [], [], []
+    for s in range(pp):
+        bubble.append({lane: round(float(1.0 - busy[s, i] / step), 6) if step else 0.0
+                       for i, lane in enumerate(LANES)})
+        comp = _merge(np.array(iv[(s, "compute")], dtype=float).reshape(-1, 2))
+        per = {}
+        for lane in ("ep", "collective"):
+            m = _merge(np.array(iv[(s, lane)], dtype=float).reshape(-1, 2))
+            length = float((m[:, 1] - m[:, 0]).sum()) if len(m) else 0.0
+            per[lane] = round(float(length - _covered(m, comp)), 3)
+        both = _merge(np.array(iv[(s, "ep")] + iv[(s, "collective")], dtype=float).reshape(-1, 2))
+        comm_len = float((both[:, 1] - both[:, 0]).sum()) if len(both) else 0.0
+        exp = comm_len - _covered(both, comp)
+        exposed_us.append(per)
+        exposed.append(round(float(exp / step), 6) if step else 0.0)
+    peaks = {sp: [0] * pp for sp in ("device", "host", "peer")}
+    for (s, sp), tl in memory.items():
+        if sp in peaks:
+            peaks[sp][s] = int(tl.peak)
+    ep_exposed = sum(e["ep"] for e in exposed_us)
+    return {
+        "step_time_us": round(step, 3),
+        "lower_bound_us": round(lb, 3),
+        "memory_lower_bound_us": round(mlb, 3),
+        "critical_path_us": round(cp, 3),
+        "max_lane_busy_us": round(lb_lanes, 3),
+        "bubble_ratio": bubble,
+        "exposed_comm_ratio": exposed,
+        "exposed_comm_us": exposed_us,
+        "exposed_ep_ratio": round(ep_exposed / (pp * step), 6) if step else 0.0,
+        "peak_device_bytes": peaks["device"],
+        "peak_host_bytes": peaks["host"],
+        "peak_peer_bytes": peaks["peer"],
+        "num_tasks": len(tasks),
+    }
+
+
+def _device_memory(g: StepGraph, tasks: list[Task]) -> dict[tuple[int, str], MemoryTimeline]:
+    base = {(s, "device"): d for s, d in enumerate(g.static_device)}
+    base.update({(s, "host"): h for s, h in enumerate(g.static_host)})
+    return memory_timeline(tasks, base)
+
+
+def _device_peak_per_stage(mem: dict[tuple[int, str], MemoryTimeline], pp: int) -> list[int]:
+    """Device bytes including what a stage holds for its peers (remote offload)."""
+    out = []
+    for s in range(pp):
+        dev = mem.get((s, "device"))
+        peer = mem.get((s, "peer"))
+        if peer is None or not len(peer.times_us):
+            out.append(dev.peak if dev else 0)
+            continue
+        times = np.concatenate([dev.times_us, peer.times_us])
+        deltas_dev = np.concatenate([np.diff(np.concatenate([[dev.base], dev.bytes])), np.zeros(len(peer.times_us))])
+        deltas_peer = np.concatenate([np.zeros(len(dev.times_us)), np.diff(np.concatenate([[peer.base], peer.bytes]))])
+        order = np.argsort(times, kind="stable")
+        total = dev.base + np.cumsum((deltas_dev + deltas_peer)[order])
+        out.append(int(total.max()))
+    return out
