@@ -28,6 +28,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import cli_plan
+from .cli_plan import summary_table
 from .config import ConfigError, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -173,35 +175,6 @@ def _plan_or_fail(cfg, strategy: Optional[str] = None, schedule=None):
         fail(f"schedule.pipeline: {e}")
 
 
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.3f}"
-
-
-def summary_table(p, title: str | None = None) -> Table:
-    m = p.metrics
-    step, lb = m["step_time_us"], m["lower_bound_us"]
-    t = Table(title=title or f"{p.cfg.model.name}: strategy {p.strategy}, pipeline {p.pipeline}", title_justify="left")
-    before = m.get("peak_device_bytes_before_offload")
-    offloaded = before is not None and before != m["peak_device_bytes"]
-    names = ["stage", "compute busy", "bubble", "exposed comm", "exposed EP ms"]
-    names += ["device GiB w/o offload"] if offloaded else []
-    names += ["peak device GiB", "host GiB", "peer GiB"]
-    for name in names:
-        t.add_column(name, justify="right", no_wrap=True)
-    for s in range(p.cfg.parallel.pp):
-        b = m["bubble_ratio"][s]["compute"]
-        cells = [str(s), f"{(1 - b) * 100:.1f}%", f"{b * 100:.1f}%", f"{m['exposed_comm_ratio'][s] * 100:.1f}%",
-                 f"{m['exposed_comm_us'][s]['ep'] / 1e3:.2f}"]
-        cells += [_gib(before[s])] if offloaded else []
-        cells += [_gib(m["peak_device_bytes"][s]), _gib(m["peak_host_bytes"][s]), _gib(m["peak_peer_bytes"][s])]
-        t.add_row(*cells)
-    t.caption = (f"step {step / 1e3:.3f} ms | lower bound {lb / 1e3:.3f} ms (x{step / lb:.3f}) | "
-                 f"exposed EP {m['exposed_ep_ratio'] * 100:.2f}% of step | budget {_gib(m['budget_bytes'])} GiB | "
-                 f"offloaded sets {m['offloaded_sets']['local']} local + {m['offloaded_sets']['remote']} remote of "
-                 f"{m['offloaded_sets']['total']} | {m['num_tasks']} tasks")
-    return t
-
-
 def write_outputs(p, out: Path, png: bool = True) -> list[Path]:
     from . import render
 
@@ -229,7 +202,7 @@ def plan(
     exact_order: str = typer.Option("backbone", help="--exact: backbone (the plan's compute order kept, memory not "
                                                      "modeled) or free (any order, the device budget and each "
                                                      "activation set's keep / offload / remote / recompute "
-                                                     "decided; k3sched/exact.py solve_free)."),
+                                                     "decided; k3sched/exact/ solve_free)."),
 ) -> None:
     """Predict step time, bubbles, exposed communication and memory of one training step."""
     cfg = _load(config, set_)
@@ -240,21 +213,12 @@ def plan(
         fail(f"--exact-order: must be backbone or free; got {exact_order!r}")
     _check_out("--out", out, directory=True)
     _check_out("--torch-csv", torch_csv)
+    sched = None
     if from_torch_csv is not None:
-        from . import schedules
-
         try:
-            text = from_torch_csv.read_bytes().decode()
-            sched = schedules.Schedule.from_torch_csv(
-                text, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.microbatches,
-                placement="v" if cfg.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") else "loop")
-            schedules.check(sched)
-        except OSError as e:
-            fail(f"--from-torch-csv: cannot read {from_torch_csv}: {e.strerror}")
+            sched = cli_plan.read_torch_csv(cfg, from_torch_csv)
         except ValueError as e:
-            fail(f"--from-torch-csv: {str(e).splitlines()[0]}")
-    else:
-        sched = None
+            fail(f"--from-torch-csv: {e}")
     p = _plan_or_fail(cfg, strategy, sched)
     from .p2pcheck import P2PDeadlock, check_plan
 
@@ -264,11 +228,7 @@ def plan(
         fail(str(e))
     console.print(summary_table(p))
     if cfg.parallel.world > 1:
-        from .compare import p2p_pairs
-        from .placement import RankOrder, describe
-
-        ro = RankOrder(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.order)
-        for line in describe(ro, cfg.hardware.gpus_per_node, p2p_pairs(p)):
+        for line in cli_plan.placement_lines(p):
             console.print(line, highlight=False, markup=False)
     if timeline:
         from .render import ascii_timeline
@@ -282,38 +242,14 @@ def plan(
         for path in write_outputs(p, out):
             console.print(f"wrote {path}", highlight=False)
     if torch_csv is not None:
-        from . import schedules
-
-        torch_csv.parent.mkdir(parents=True, exist_ok=True)
-        from .planner import backbone
-
-        torch_csv.write_text((sched or backbone(cfg)).to_torch_csv(), newline="")
+        cli_plan.write_torch_csv(cfg, sched, torch_csv)
         console.print(f"wrote {torch_csv}", highlight=False)
-    if exact and exact_order == "free":
-        from .exact import free_report
-
+    if exact:
         try:
-            rep = free_report(p.cfg, p, deterministic_time=exact_time_limit)
+            line = cli_plan.exact_line(p, exact_order, exact_time_limit)
         except ValueError as e:
             fail(f"--exact: {e}")
-        ref = "optimum" if rep["status"] == "OPTIMAL" else "CP-SAT bound"
-        console.print(f"exact, order free, budget {rep['budget_bytes'] / 2**30:.4g} GiB ({rep['status']}, "
-                      f"{rep['num_tasks']} tasks, {rep['wall_s']:.1f} s): best {rep['best_us'] / 1e3:.3f} ms, bound "
-                      f"{rep['bound_us'] / 1e3:.3f} ms, activation sets "
-                      + ", ".join(f"{k} {v}" for k, v in rep["choices"].items())
-                      + f"; heuristic {rep['heuristic_us'] / 1e3:.3f} ms, gap {rep['gap'] * 100:.2f}% vs {ref} "
-                      f"({rep['gap_vs_best'] * 100:.2f}% vs best)", highlight=False)
-    elif exact:
-        from .exact import exact_report
-
-        try:
-            rep = exact_report(p.cfg, p, time_limit_s=exact_time_limit)
-        except ValueError as e:
-            fail(f"--exact: {e}")
-        ref = "optimum" if rep["status"] == "OPTIMAL" else "CP-SAT bound"
-        console.print(f"exact ({rep['status']}, {rep['num_tasks']} tasks, {rep['wall_s']:.1f} s): best "
-                      f"{rep['best_us'] / 1e3:.3f} ms, bound {rep['bound_us'] / 1e3:.3f} ms; heuristic "
-                      f"{rep['heuristic_us'] / 1e3:.3f} ms, gap {rep['gap'] * 100:.2f}% vs {ref}", highlight=False)
+        console.print(line, highlight=False)
 
 
 @command()
