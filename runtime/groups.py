@@ -16,7 +16,7 @@ Groups (``None`` where the group would have one rank):
                            sends to stage b, ``p2p[("grad", b, a)]`` the gradients back, each its
                            own communicator ([Note: NCCL-safe P2P])
   ready   collective lane  beside each p2p group under ``--p2p strict`` (gloo): the receiver's
-                           ready tokens ([Note: strict P2P] in runtime/stage.py)
+                           ready tokens ([Note: strict P2P] in runtime/stage/p2p.py)
   dense   collective lane  ranks with the same pp (ep * dp of them): grad.rs of non-expert weights
   expert  collective lane  ranks with the same (pp, ep): grad.rs of expert weights (over dp)
   optim   compute lane     like ``dense``: optim.run reduces embed / head / final-norm gradients

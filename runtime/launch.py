@@ -308,7 +308,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     ``rate_scale``) says otherwise; summary.json then has a ``testbed`` entry. ``save_every`` /
     ``save_mode`` / ``resume``: checkpoints ([Note: checkpoint contents] in runtime/checkpoint.py).
     ``p2p``: ``buffered`` or ``strict`` (gloo P2P behaves like NCCL, [Note: strict P2P] in
-    runtime/stage.py). ``racecheck``: run the race detector on every rank ([Note: race detector] in
+    runtime/stage/p2p.py). ``racecheck``: run the race detector on every rank ([Note: race detector] in
     runtime/racecheck.py); ``drop_deps``: ``CONSUMER=PRODUCER`` plan dependencies removed before
     running (checked against the plan). ``device``: cpu, cuda or None (:func:`resolve_device`)."""
     out = Path(out_dir)

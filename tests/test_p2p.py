@@ -1,6 +1,6 @@
 """NCCL-safe P2P: the plan-time check ([Note: NCCL P2P model] in k3sched/p2pcheck.py), the
 directed communicators and their warm-up ([Note: NCCL-safe P2P] in runtime/groups.py), and
-``--p2p strict`` ([Note: strict P2P] in runtime/stage.py).
+``--p2p strict`` ([Note: strict P2P] in runtime/stage/p2p.py).
 
 The static tests plan every generated pipeline schedule on small shapes of tiny-cpu.yaml (PP 2
 and 4, k3 and serial, with and without remote offload) and seed faults into plan dicts by editing

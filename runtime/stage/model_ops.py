@@ -1,0 +1,91 @@
+"""Model sub-op handlers of a stage: attn.fwd ... expert.dw, embed/head -> ``moe.MoEModel.run``;
+shared.dx reads the upstream gradient itself ([Note: shared.dx beside combine.bwd]).
+
+[Note: shared.dx beside combine.bwd]
+The planner lets shared.dx run beside combine.bwd (both wait only for the upstream gradient),
+but ``moe``'s combine.bwd is what hands shared.dx its gradient. The shared-expert output enters
+``y = h + shared + routed`` with weight 1, so its gradient *is* the upstream gradient: the runtime
+keeps a reference to each upstream gradient when it is produced (head.dx, attn.dx, grad.recv) and
+shared.dx uses it directly, so it needs nothing from the ep lane. The value is identical.
+shared.dx writes its gradient of ``xn`` apart from dispatch.bwd's; router.bwd sums them
+([Note: partial input gradients] in moe/context.py).
+combine.fwd does need shared.fwd's output: :meth:`StageRunner.extra_deps` adds that edge (and the
+other data edges of ``moe.INTRA_LAYER_DEPS``) where the plan leaves them implicit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from k3sched.tasks import Kind
+from moe import handoff
+from moe import INTRA_LAYER_DEPS
+
+from ..executor import PlanTask
+
+GRAD_WRITERS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP_DW, Kind.ROUTER_BWD})
+
+
+class ModelOps:
+    """:class:`~runtime.stage.StageRunner` handlers of the model's forward, dX and dW tasks."""
+
+    @staticmethod
+    def extra_deps(lanes: Mapping[str, list[PlanTask]]) -> dict[str, tuple[str, ...]]:
+        """Same-(mb, layer) data dependencies of ``moe.INTRA_LAYER_DEPS`` the plan leaves implicit
+        (except shared.dx <- combine.bwd, see [Note: shared.dx beside combine.bwd])."""
+        ids = {t.id for ts in lanes.values() for t in ts}
+        out: dict[str, tuple[str, ...]] = {}
+        for ts in lanes.values():
+            for t in ts:
+                if t.mb is None or t.layer is None:
+                    continue
+                prefix = t.id.rsplit("/", 1)[0]
+                extra = []
+                for k in INTRA_LAYER_DEPS.get(t.kind, ()):
+                    if t.kind is Kind.SHARED_DX and k is Kind.COMBINE_BWD:
+                        continue
+                    d = f"{prefix}/{k.value}"
+                    if d in ids and d not in t.deps:
+                        extra.append(d)
+                if extra:
+                    out[t.id] = tuple(extra)
+        return out
+
+    def _model_task(self, t: PlanTask) -> None:
+        mb = self.mbs[t.mb]
+        if t.kind is Kind.ROUTER_BWD:  # after shared.dx and dispatch.bwd: [Note: partial input gradients]
+            mb.layers[t.layer].fold_grad_xn_shared()
+        if self.gshards is not None and t.kind in GRAD_WRITERS:
+            with self.gshards.accumulating(t.mb, t.layer):
+                self.model.run(t.kind, mb, t.layer, self.groups.ep)
+        else:
+            self.model.run(t.kind, mb, t.layer, self.groups.ep)
+        if t.kind is Kind.HEAD_DX:
+            self._keep_up(t.mb, self.args.layers, mb.grads[self.args.layers])
+        elif t.kind is Kind.ATTN_DX:
+            self._keep_up(t.mb, t.layer, mb.grads[t.layer])
+
+    def _keep_up(self, mb: int, idx: int, g: Tensor) -> None:
+        """Keep the gradient of layer ``idx``'s input for shared.dx of layer ``idx - 1`` (if here)."""
+        below = idx - 1
+        if below in self._shared_layers:
+            self._up[(mb, idx)] = g
+            handoff.cell(self._up, (mb, idx), True, f"mb{mb}.grads[{idx}] (kept for shared.dx)")
+
+    def _shared_dx(self, t: PlanTask) -> None:
+        lc = self.mbs[t.mb].layers[t.layer]
+        if lc.shared is None:
+            return
+        key = (t.mb, t.layer + 1)
+        handoff.cell(self._up, key, False, f"mb{t.mb}.grads[{t.layer + 1}] (kept for shared.dx)", key in self._up)
+        grad_y = self._up.pop(key)
+        handoff.cell(self._up, key, True, f"mb{t.mb}.grads[{t.layer + 1}] (kept for shared.dx)")
+        handoff.handoff(grad_y)  # made on the compute or collective lane: [Note: cross-lane handoff]
+        handoff.read(grad_y, f"mb{t.mb}.grads[{t.layer + 1}]")
+        g = lc.shared.backward_dx({"out": grad_y.reshape(-1, grad_y.shape[-1])})["xn"]
+        if self.unsafe_shared_dx:
+            lc.add_grad_xn(g)
+        else:
+            lc.grad_xn_shared_TD = g

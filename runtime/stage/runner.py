@@ -1,0 +1,189 @@
+"""The stage runner: this rank's layers, micro-batch states, groups and optimizer, and the handler
+table (:meth:`StageRunner.handlers`) assembled from the handler families of the package
+(``model_ops``, ``p2p``, ``gradients``, ``offloading``, ``optimizer``; ``memory`` and ``faults``
+around them)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from k3sched.config import Config
+from k3sched.tasks import Kind
+from moe import LayerCtx, MicroBatch, MoEModel
+
+from offload import ActivationManager, MemoryTracker, PolicyTable
+from offload.gradshard import GradShards
+
+from ..executor import Handler, PlanTask
+from ..groups import Groups
+from .faults import FaultInjection
+from .gradients import GradientOps
+from .memory import MemorySampling
+from .model_ops import ModelOps
+from .offloading import BACKWARD_KINDS, LAST_FORWARD, OffloadOps
+from .optimizer import OptimizerOps
+from .p2p import P2P_MODES, P2POps, P2PStream, PendingSends
+from .spec import StageSpec, build_stage_model, model_args, synthetic_batch
+
+
+class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, MemorySampling, FaultInjection):
+    """This rank's stage: model, micro-batch states, groups, optimizer and task handlers."""
+
+    data = None
+    """``runtime.data.TokenData``: micro-batches from a token file (None: synthetic tokens)."""
+    step = 0
+    """The global index of the step in progress (:meth:`begin_step`)."""
+
+    def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
+                 weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
+                 remote_group=None, offload_debug: bool = False, copy_delay_s: float = 0.0,
+                 p2p: str = "buffered", p2p_timeout_s: float = 120.0, compute_stream=None,
+                 unsafe_shared_dx: bool = False) -> None:
+        self.cfg, self.spec, self.groups = cfg, spec, groups
+        self.args = model_args(cfg)
+        self.device = device or torch.device("cpu")
+        lo = groups.layout
+        self.seed = seed
+        from k3sched.balance import placement_for as expert_placement
+
+        self.placement = expert_placement(cfg)  # [Note: expert placement] in k3sched/balance.py
+        self._replicated = self.placement.replicated()
+        self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device,
+                                       slots=self.placement.slots)
+        self.params = [p for p in self.model.parameters()]
+        self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
+                                      copy_delay_s=copy_delay_s, remote_group=remote_group,
+                                      compute_stream=compute_stream)
+        self.unsafe_shared_dx = unsafe_shared_dx  # [Note: runtime options]: K3SCHED_UNSAFE_SHARED_DX
+        self.gshards: GradShards | None = None
+        opt_params = self.params
+        if cfg.schedule.grad_offload:
+            chunk_of = {L: c for c, v in spec.chunk_vstage.items() for L in spec.vstage_layers[v]}
+            self.gshards = GradShards({L: self.model.layers[L] for L in spec.layers}, chunk_of,
+                                      is_expert=MoEModel.is_expert_param, device=self.device,
+                                      device_pool=self.acts.device_pool, rs_groups=(groups.dense, groups.expert),
+                                      ag_groups=(groups.optim, groups.optim_expert), lr=lr,
+                                      weight_decay=weight_decay, copy_delay_s=self.acts.copy_delay_s)
+            opt_params = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
+        # with grad_offload the layers' parameters are stepped by GradShards on host shards
+        self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay) if opt_params else None
+        self._bwd_left: dict[tuple[int, int], int] = {}  # (mb, layer) -> backward tasks left this step
+        self._bwd_count: dict[tuple[int, int], int] = {}
+        self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
+        self._quantized: set[tuple[int, int]] = set()  # (mb, layer) sets kept on the device as FP8
+        self._mem_lock = threading.Lock()
+        self.sends = PendingSends()
+        self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
+                                    extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0,
+                                    in_flight=self.sends.buffers)
+        self.replicas = lo.ep * lo.dp
+        self.mbs: dict[int, MicroBatch] = {}
+        self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
+        if p2p not in P2P_MODES:
+            raise ValueError(f"p2p: one of {', '.join(P2P_MODES)}; got {p2p!r}")
+        self.p2p_timeout_s = p2p_timeout_s
+        self.streams: dict[tuple[str, int, int], P2PStream] | None = None  # [Note: strict P2P]
+        if p2p == "strict":
+            missing = sorted(set(groups.p2p) - set(groups.ready))
+            if missing:
+                raise ValueError(f"--p2p strict: no ready-token group for {missing[0]} (build_p2p_groups(ready=True))")
+            self.streams = {k: P2PStream(f"{k[0]} {k[1]}->{k[2]}", p2p_timeout_s) for k in groups.p2p}
+        self.fail_task = fail_task
+        self._rs_buckets: dict[tuple[int, int], int] = {}
+        m = cfg.model
+        self.act_shape = (m.micro_batch_size, m.seq_len, m.hidden)
+        self._shared_layers = {L for L in spec.layers if self.args.is_moe_layer(L) and self.args.shared_experts}
+        self.capture_grads = False
+        self.captured: dict[str, Tensor] | None = None
+
+    # -- plan-dependent set-up -------------------------------------------------------------------
+    def bind_plan(self, lanes: Mapping[str, list[PlanTask]]) -> None:
+        """Read what the handlers need from the plan: the bucket count of each layer's grad.rs."""
+        for t in lanes["collective"]:
+            if t.kind is Kind.GRAD_RS:
+                key = (t.chunk, t.layer)
+                self._rs_buckets[key] = max(self._rs_buckets.get(key, 0), (t.bucket or 0) + 1)
+        for ts in lanes.values():
+            for t in ts:
+                if t.mb is not None and t.layer is not None and t.kind in BACKWARD_KINDS:
+                    k = (t.mb, t.layer)
+                    self._bwd_count[k] = self._bwd_count.get(k, 0) + 1
+                if t.kind in (Kind.ACT_OFFLOAD, Kind.ACT_ROFFLOAD):
+                    self._offloaded.add((t.mb, t.layer))
+        if self.cfg.schedule.act_quant == "fp8":  # [Note: FP8 on the device]: the sets the plan keeps
+            self._quantized = {(t.mb, t.layer) for ts in lanes.values() for t in ts
+                               if t.kind in LAST_FORWARD and (t.mb, t.layer) not in self._offloaded}
+        if self.gshards is not None:
+            self.gshards.bind(lanes)
+
+    # -- steps -----------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Fresh micro-batch states with this replica's tokens for global step ``step`` (synthetic, or
+        from :attr:`data` at its position)."""
+        cfg, lo = self.cfg, self.groups.layout
+        self.step = step
+        M = cfg.parallel.microbatches
+        self.mbs.clear()
+        self._up.clear()
+        self._bwd_left = dict(self._bwd_count)
+        self.memory.begin_step()
+        for m in range(M):
+            if self.data is not None:
+                tokens, targets = self.data.batch(m)
+            else:
+                tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
+                                                  cfg.model.seq_len, cfg.model.vocab)
+            mb = self.model.new_microbatch(tokens.to(self.device), targets.to(self.device), index=m,
+                                           loss_scale=1.0 / (M * self.replicas))
+            mb.layers = [LayerCtx(i, self.args.is_moe_layer(i), label=f"mb{m}/L{i}") for i in range(self.args.layers)]
+            self.mbs[m] = mb
+
+    def end_step(self) -> float:
+        """Wait for outstanding sends; return this rank's loss contribution (sum over its
+        micro-batches of cross-entropy if it holds the head, plus aux-loss terms of its layers)."""
+        self.sends.wait_all(self.p2p_timeout_s)
+        self.acts.end_step()
+        if self.gshards is not None:
+            self.gshards.end_step()
+        coef = self.args.aux_loss_coef
+        total = 0.0
+        for mb in self.mbs.values():
+            if mb.ce is not None:
+                total += float(mb.ce)
+            for L in self.spec.layers:
+                aux = mb.layers[L].aux
+                if aux is not None:
+                    total += coef * float(aux)
+        self.mbs.clear()
+        self._up.clear()
+        return total
+
+    # -- handlers --------------------------------------------------------------------------------
+    def handlers(self) -> dict[Kind, Handler]:
+        table: dict[Kind, Handler] = {}
+        for k in Kind:
+            if k.op in {"attn", "router", "dispatch", "shared", "expert", "combine", "mlp", "embed", "head"}:
+                table[k] = self._model_task
+        table[Kind.SHARED_DX] = self._shared_dx
+        table[Kind.FWD_SEND] = self._send
+        table[Kind.BWD_SEND] = self._send
+        table[Kind.FWD_RECV] = self._recv
+        table[Kind.BWD_RECV] = self._recv
+        table[Kind.GRAD_RS] = self._grad_rs
+        table[Kind.ACT_OFFLOAD] = self._offload
+        table[Kind.ACT_ONLOAD] = self._onload
+        table[Kind.ACT_ROFFLOAD] = self._roffload
+        table[Kind.ACT_RSTORE] = self._rstore
+        table[Kind.ACT_RSERVE] = self._rserve
+        table[Kind.ACT_RONLOAD] = self._ronload
+        table[Kind.OPTIM] = self._optim
+        if self.gshards is not None:
+            table.update(self.gshards.handlers())
+        table = {k: self._tracked(h) for k, h in table.items()}
+        if self.fail_task is not None:
+            table = {k: self._maybe_fail(h) for k, h in table.items()}
+        return table
