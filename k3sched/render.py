@@ -243,7 +243,6 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
     """Gantt chart of every stage's lanes with the device memory curve under it; several plans
     are stacked (``k3sched compare``). Drawn with Pillow on a rasterised image ([Note: rasterised
     timeline]): no matplotlib, a fraction of a second for tens of thousands of tasks."""
-    import numpy as np
     from PIL import Image, ImageDraw
 
     plans = plans if isinstance(plans, list) else [plans]
@@ -281,46 +280,52 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
         else:  # too thin for one label per lane: one per stage
             for s in range(plan.cfg.parallel.pp):
                 draw.text((4, y + s * len(LANES) * rh), f"stage {s}", fill="black", font=small)
-        y0 = y
         y += img.shape[0]
         _time_axis(draw, left, width, y, step, small)
         y += axis_h
-        # device memory of every stage: the highest value within each pixel column, as a step curve
-        budget = m.get("budget_bytes", 0)
-        peak = max([float(tl.bytes.max()) for (s, sp), tl in plan.memory.items()
-                    if sp == "device" and len(tl.bytes)] + [float(budget), 1.0])
-        ytop, ybot = y, y + mem_h
-        draw.rectangle([left - 1, ytop, left + width, ybot], outline="#444444")
-        edges = np.linspace(0.0, step, width + 1)
-        for s in range(plan.cfg.parallel.pp):
-            tl = plan.memory.get((s, "device"))
-            if tl is None or not len(tl.times_us):
-                continue
-            t, b = np.asarray(tl.times_us, float), np.asarray(tl.bytes, float)
-            # value at each column's start, then the max of any change inside the column
-            idx = np.clip(np.searchsorted(t, edges[:-1], side="right") - 1, 0, len(b) - 1)
-            val = b[idx]
-            inside = np.clip((t * width / step).astype(np.int64), 0, width - 1)
-            np.maximum.at(val, inside, b)
-            ys = ybot - val / peak * (mem_h - 4)
-            pts = list(zip((left + np.arange(width)).tolist(), ys.tolist()))
-            draw.line(pts, fill=_STAGE_COLORS[s % len(_STAGE_COLORS)], width=1)
-        if budget:
-            yb = ybot - budget / peak * (mem_h - 4)
-            for xs in range(left, left + width, 12):
-                draw.line([(xs, yb), (xs + 6, yb)], fill="red", width=1)
-        draw.text((4, ytop), f"device GiB", fill="black", font=small)
-        for frac in (0.0, 0.5, 1.0):
-            draw.text((left - 40, ybot - frac * (mem_h - 4) - 6), f"{peak * frac / 2**30:.1f}", fill="black",
-                      font=small)
-        draw.text((4, ytop + 14), "red: budget", fill="red", font=small)
-        y = ybot
+        y = _memory_panel(draw, plan, left, width, y, mem_h, step, small)
         _time_axis(draw, left, width, y, step, small)
         y += axis_h + top
-        del y0
     path = Path(path)
     canvas.save(path, format="PNG", compress_level=1)
     return path
+
+
+def _memory_panel(draw, plan: "Plan", left: int, width: int, y: int, mem_h: int, step: float, small) -> int:
+    """The device memory of every stage under a plan's lanes (the highest value within each pixel
+    column, as a step curve) with the budget dashed in red; returns the panel's bottom."""
+    import numpy as np
+
+    m = plan.metrics
+    budget = m.get("budget_bytes", 0)
+    peak = max([float(tl.bytes.max()) for (s, sp), tl in plan.memory.items()
+                if sp == "device" and len(tl.bytes)] + [float(budget), 1.0])
+    ytop, ybot = y, y + mem_h
+    draw.rectangle([left - 1, ytop, left + width, ybot], outline="#444444")
+    edges = np.linspace(0.0, step, width + 1)
+    for s in range(plan.cfg.parallel.pp):
+        tl = plan.memory.get((s, "device"))
+        if tl is None or not len(tl.times_us):
+            continue
+        t, b = np.asarray(tl.times_us, float), np.asarray(tl.bytes, float)
+        # value at each column's start, then the max of any change inside the column
+        idx = np.clip(np.searchsorted(t, edges[:-1], side="right") - 1, 0, len(b) - 1)
+        val = b[idx]
+        inside = np.clip((t * width / step).astype(np.int64), 0, width - 1)
+        np.maximum.at(val, inside, b)
+        ys = ybot - val / peak * (mem_h - 4)
+        pts = list(zip((left + np.arange(width)).tolist(), ys.tolist()))
+        draw.line(pts, fill=_STAGE_COLORS[s % len(_STAGE_COLORS)], width=1)
+    if budget:
+        yb = ybot - budget / peak * (mem_h - 4)
+        for xs in range(left, left + width, 12):
+            draw.line([(xs, yb), (xs + 6, yb)], fill="red", width=1)
+    draw.text((4, ytop), f"device GiB", fill="black", font=small)
+    for frac in (0.0, 0.5, 1.0):
+        draw.text((left - 40, ybot - frac * (mem_h - 4) - 6), f"{peak * frac / 2**30:.1f}", fill="black",
+                  font=small)
+    draw.text((4, ytop + 14), "red: budget", fill="red", font=small)
+    return ybot
 
 
 def _time_axis(draw, left: int, width: int, y: int, step_us: float, font) -> None:

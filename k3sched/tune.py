@@ -521,6 +521,25 @@ def pareto_png(results: list[Result], front: list[Result], best: Result | None, 
     return path
 
 
+def _progress_bar(tuner: Tuner, console: "Console", time_limit_s: float):
+    """A rich progress bar over the time limit, updated by ``tuner`` after each result."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False)
+    task = bar.add_task("tune", total=time_limit_s, info="")
+
+    def on_result(t: Tuner, r: Result) -> None:
+        b = t.best()
+        bar.update(task, completed=min(time_limit_s, time.perf_counter() - t.t0),
+                   description=f"tune ({r.phase})",
+                   info=f"{len(t.results)} planned, {t.cache_hits} cached, best "
+                        f"{b.step_us / 1e3:.1f} ms" if b else f"{len(t.results)} planned, none fits yet")
+
+    tuner.on_result = on_result
+    return bar
+
+
 def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gib: float | None,
                  time_limit_s: float, jobs: int | None, out: Path | None, console: "Console",
                  progress: bool = True) -> int:
@@ -535,22 +554,7 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
                                                              or cfg.hardware.device_memory_gb))
     jobs = max(1, jobs or os.cpu_count() or 1)
     tuner = Tuner(cfg, budget, time_limit_s, jobs, t0=t_start)
-    bar = None
-    if progress:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False)
-        task = bar.add_task("tune", total=time_limit_s, info="")
-
-        def on_result(t: Tuner, r: Result) -> None:
-            b = t.best()
-            bar.update(task, completed=min(time_limit_s, time.perf_counter() - t.t0),
-                       description=f"tune ({r.phase})",
-                       info=f"{len(t.results)} planned, {t.cache_hits} cached, best "
-                            f"{b.step_us / 1e3:.1f} ms" if b else f"{len(t.results)} planned, none fits yet")
-
-        tuner.on_result = on_result
+    bar = _progress_bar(tuner, console, time_limit_s) if progress else None
     pool = Workers(jobs)
     megatron = None
     try:
