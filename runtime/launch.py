@@ -317,7 +317,10 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         return 2
     if p2p != "buffered":
         extra_args = [*(extra_args or []), "--p2p", p2p]
+    from runtime.options import RuntimeOptions
+
     try:
+        RuntimeOptions.from_env({**os.environ, **(env or {})}, 0)  # the ranks' hooks: one line here, not per rank
         cfg, doc = check_run(config_path, overrides, nproc, strategy)
         if racecheck or drop_deps:
             from runtime.racecheck import launch_args as race_args

@@ -49,3 +49,12 @@ def test_no_constructor_below_the_entry_point_reads_the_environment():
         tree = ast.parse((ROOT / rel).read_text())
         reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "environ"]
         assert not reads, f"{rel} reads os.environ at line(s) {reads}"
+
+
+def test_run_refuses_a_malformed_hook_before_launching(tmp_path, capsys):
+    from runtime.launch import run_command
+
+    rc = run_command(ROOT / "configs" / "tiny-cpu.yaml", [], 1, None, tmp_path, env={"K3SCHED_OFFLOAD_DELAY_S": "fast"})
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == "error: K3SCHED_OFFLOAD_DELAY_S='fast': expected a number", err
+    assert not (tmp_path / "summary.json").exists()  # nothing was launched
