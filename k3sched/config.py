@@ -16,6 +16,7 @@ compute in reasonable time are refused before planning by :mod:`k3sched.limits`
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 import reprlib
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 GiB = 1 << 30
 MAX_CONFIG_BYTES = 1 << 20
@@ -213,6 +214,18 @@ class HardwareConfig(_Section):
     host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cost.py)."""
 
 
+STORAGE_OPS: tuple[str, ...] = ("attn", "router", "dispatch", "shared", "expert", "combine", "mlp")
+"""Sub-ops whose saved activations have a storage policy (``moe.context.OPS``; a test keeps the two equal).
+
+[Note: storage policies from the config]
+``schedule.storage`` sets the policy per sub-op. The planner costs it per forward task kind: a
+``keep`` op's saved bytes stay out of its layer's offload set (they stay on the device until the
+backward frees them), an ``offload+fp8`` op's bytes are counted block-wise FP8
+(:meth:`k3sched.cost.CostModel.saved_bytes`), and the runtime's policy table is built from the same
+rules (``offload.PolicyTable.from_config``), so plan and run agree. Patterns are over sub-ops only:
+the planner has no per-tensor byte model, so a per-tensor pattern (``attn.q``) is refused."""
+
+
 class ScheduleConfig(_Section):
     strategy: Literal["k3", "serial"] = "k3"
     """k3: five-lane co-schedule; serial: one task at a time (no-overlap baseline)."""
@@ -249,6 +262,12 @@ class ScheduleConfig(_Section):
     lookahead: int = _int(0, 65536, default=1)
     """k3: backbone slots the compute lane may run ahead while the current slot waits on communication
     (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do); 0..65536."""
+    storage: dict[str, Literal["keep", "offload", "offload+fp8"]] = Field(default_factory=dict)
+    """Storage policy per sub-op ([Note: storage policies from the config]): ``{OP_PATTERN: policy}``,
+    a glob over the sub-ops that save activations (:data:`STORAGE_OPS`), first match wins; policy
+    ``keep`` (stays on the device, also in a layer the plan offloads), ``offload`` (leaves with its
+    layer's set) or ``offload+fp8`` (block-wise FP8, see ``act_quant``). Ops no rule matches get
+    ``offload`` (``offload+fp8`` under ``act_quant: fp8``). Left out of plan.json's config when empty."""
     profile: str | None = None
     """Measured profile YAML whose per-kind durations replace the analytic cost model."""
     expert_placement: str | None = None
@@ -273,7 +292,27 @@ class ScheduleConfig(_Section):
             out.pop("fp8_dispatch", None)
         if self.expert_placement is None:
             out.pop("expert_placement", None)
+        if not self.storage:
+            out.pop("storage", None)
         return out
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_ops(cls, rules: dict[str, str]) -> dict[str, str]:
+        for pat in rules:
+            if "." in pat:
+                raise ValueError(f"{pat!r}: patterns select whole sub-ops (e.g. 'attn', 'expert', 'e*'), whose saved "
+                                 f"bytes the planner costs; per-tensor patterns are not modelled")
+            if not any(fnmatch.fnmatchcase(op, pat) for op in STORAGE_OPS):
+                raise ValueError(f"{pat!r} matches no sub-op; allowed: globs over {', '.join(STORAGE_OPS)}")
+        return rules
+
+    def storage_policy(self, op: str) -> str:
+        """The storage policy of sub-op ``op`` ([Note: storage policies from the config])."""
+        for pat, policy in self.storage.items():
+            if fnmatch.fnmatchcase(op, pat):
+                return policy
+        return "offload+fp8" if self.act_quant == "fp8" else "offload"
 
 
 class DataConfig(_Section):

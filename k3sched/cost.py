@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from .config import Config, ConfigError, read_text_file, show_value, yaml_load
+from .config import STORAGE_OPS, Config, ConfigError, read_text_file, show_value, yaml_load
 from .placement import GroupPlacement, RankOrder, group_placement, stage_pair_crosses
 from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
 
@@ -496,13 +496,13 @@ class CostModel:
         if isinstance(measured, tuple):
             if kind is Kind.HEAD_FWD:  # kept in the model dtype, see below
                 return int(measured[0]), int(measured[1])
-            return self._quant(measured[0]), self._quant(measured[1])
+            return self._quant(measured[0], kind), self._quant(measured[1], kind)
         m = self.cfg.model
         T, h, k, b = self.T, m.hidden, m.top_k, self.b
         f, F = m.expert_hidden, m.ffn_dense_hidden
         rc = self.cfg.schedule.recompute
         hb = b  # the head's activations stay in the model dtype (log-softmax is not quantized)
-        if self.cfg.schedule.act_quant == "fp8":
+        if self.stored_fp8(kind):
             b = 1 + 4 / 128  # one byte per element plus one fp32 scale per 1x128 tile
         dr = self.cfg.schedule.dispatch_recompute
         # SwiGLU keeps h1, silu(h1), h3 and their product (4 per row of width F); with element-wise
@@ -527,9 +527,25 @@ class CostModel:
             return int(measured * w / (w + x)), measured - int(measured * w / (w + x))
         return int(w), int(x)
 
-    def _quant(self, nbytes: int) -> int:
-        """Measured bytes (model dtype) as stored under ``act_quant: fp8`` (1 byte + fp32 scale per 128)."""
-        if self.cfg.schedule.act_quant == "fp8":
+    def stored_fp8(self, kind: Kind) -> bool:
+        """Whether the forward kind's saved activations are stored block-wise FP8: its sub-op's
+        storage policy ([Note: storage policies from the config] in k3sched/config.py); kinds
+        outside ``STORAGE_OPS`` follow ``act_quant``."""
+        op = kind.value.split(".", 1)[0]
+        if op not in STORAGE_OPS:
+            return self.cfg.schedule.act_quant == "fp8"
+        return self.cfg.schedule.storage_policy(op) == "offload+fp8"
+
+    def kept_on_device(self, kind: Kind) -> bool:
+        """Whether the forward kind's saved activations stay on the device when their layer's set
+        is offloaded (storage policy ``keep``)."""
+        op = kind.value.split(".", 1)[0]
+        return op in STORAGE_OPS and self.cfg.schedule.storage_policy(op) == "keep"
+
+    def _quant(self, nbytes: int, kind: Kind) -> int:
+        """Measured bytes (model dtype) as stored: FP8 (1 byte + fp32 scale per 128) when
+        :meth:`stored_fp8`."""
+        if self.stored_fp8(kind):
             return int(nbytes / self.b * (1 + 4 / 128))
         return int(nbytes)
 

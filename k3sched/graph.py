@@ -277,7 +277,8 @@ class _Builder:
                 prev = [self.add(Kind.MLP_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.MLP_FWD))]
                 kinds = (Kind.ATTN_FWD, Kind.MLP_FWD)
             key = (stage, m, L)
-            nbytes = sum(sum(self._saved[k]) for k in kinds)
+            # sub-ops kept on the device stay out of the set ([Note: storage policies from the config])
+            nbytes = sum(sum(self._saved[k]) for k in kinds if not self.cost.kept_on_device(k))
             self.offload_sets[key] = nbytes
             if self.off.is_local(key):
                 self.add(Kind.ACT_OFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,

@@ -13,8 +13,9 @@ named ``<op>.<entry>``) gets a policy, declared here and not in the model code
 - ``recompute``: not stored at all; ``moe`` evicts the expert input under dispatch recompute
   (EP-DR) and ``dispatch.re`` rebuilds it, so such entries never reach the manager.
 
-The default table offloads everything with the plan and adds ``fp8`` when ``schedule.act_quant``
-is ``fp8``. Tensors are moved per *storage*: names that alias one storage (the moe README warns
+The table from a config (:meth:`PolicyTable.from_config`) has ``schedule.storage``'s rules, one
+per sub-op pattern, first; the default after them offloads everything with the plan and adds
+``fp8`` when ``schedule.act_quant`` is ``fp8``. Tensors are moved per *storage*: names that alias one storage (the moe README warns
 that e.g. ``shared`` and ``dispatch`` both keep xn) are copied once and come back as views of
 one restored storage, so aliasing survives the round trip.
 
@@ -109,7 +110,12 @@ class PolicyTable:
 
     @classmethod
     def from_config(cls, cfg) -> "PolicyTable":
-        return cls([("*", OFFLOAD_FP8 if cfg.schedule.act_quant == "fp8" else OFFLOAD)])
+        """``schedule.storage``'s rules, one per sub-op pattern, then the default (``act_quant``):
+        the policies the planner costs ([Note: storage policies from the config] in
+        k3sched/config.py)."""
+        by_name = {"keep": KEEP, "offload": OFFLOAD, "offload+fp8": OFFLOAD_FP8}
+        rules = [(f"{pat}.*", by_name[policy]) for pat, policy in cfg.schedule.storage.items()]
+        return cls(rules + [("*", OFFLOAD_FP8 if cfg.schedule.act_quant == "fp8" else OFFLOAD)])
 
     def policy(self, name: str) -> Policy:
         for pat, pol in self.rules:
