@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from .cost import CostModel
 from .graph import StepGraph
-from .tasks import Kind
+from .tasks import P2P_KINDS, Kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import Plan
@@ -190,7 +190,6 @@ def memory_lower_bound_us(g: StepGraph, budget_bytes: int | None = None, lb: flo
 
 
 # -- where the gap goes ------------------------------------------------------------------------
-_P2P = {Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV}
 _OFFLOAD = {Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD, Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD, Kind.ACT_RSERVE,
             Kind.ACT_RSTORE}
 CAUSES = ("warmup_cooldown", "p2p", "exposed_ep", "exposed_collective", "wgrad_placement", "offload",
@@ -209,10 +208,10 @@ def _cause(plan: "Plan", tid: str, t0: float) -> str:
     d = max(deps, key=lambda x: x.end_us)
     if d.end_us <= t0 + 1e-9:
         return "other"  # ready before the gap: held by the backbone order or the memory gate
-    if d.kind in _P2P:
+    if d.kind in P2P_KINDS:
         # a receive is exposed P2P if the transfer itself (not the producer upstream) ended late
         send = max((tasks[x] for x in d.deps), key=lambda x: x.end_us, default=None)
-        if send is not None and send.kind in _P2P:
+        if send is not None and send.kind in P2P_KINDS:
             prod = max((tasks[x] for x in send.deps), key=lambda x: x.end_us, default=None)
             if prod is not None and prod.end_us >= t0:
                 return "pipeline"

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from .cost import CostModel
 from .graph import StepGraph
 from .simulator import DeadlockError
-from .tasks import LANE_INDEX, LANES, Kind
+from .tasks import LANE_INDEX, LANES, P2P_KINDS, Kind
 
 # -- list scheduler ---------------------------------------------------------------------------
-_P2P = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV})
 _BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
 
 
@@ -62,7 +61,7 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
         slot.append(s)
         wgrad.append(wg)
         main.append(ln == 0 and not wg and t.kind is not Kind.OPTIM)
-        p2p.append(t.kind in _P2P)
+        p2p.append(t.kind in P2P_KINDS)
         bg.append(t.kind in _BACKGROUND)
         dur.append(t.duration_us)
         for d in t.deps:

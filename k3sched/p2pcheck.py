@@ -48,14 +48,10 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .tasks import LANES, Kind
+from .tasks import LANES, RECV_KINDS, SEND_KINDS, SEND_OF, Kind
 
-SEND_KINDS = frozenset({Kind.FWD_SEND, Kind.BWD_SEND, Kind.ACT_ROFFLOAD, Kind.ACT_RSERVE})
-RECV_KINDS = frozenset({Kind.FWD_RECV, Kind.BWD_RECV, Kind.ACT_RSTORE, Kind.ACT_RONLOAD})
 POSTED_ONLY = frozenset({Kind.FWD_SEND, Kind.BWD_SEND})
 """Sends whose task ends once posted (isend, waited at the end of the step)."""
-PARTNER = {Kind.FWD_RECV: Kind.FWD_SEND, Kind.BWD_RECV: Kind.BWD_SEND, Kind.ACT_RSTORE: Kind.ACT_ROFFLOAD,
-           Kind.ACT_RONLOAD: Kind.ACT_RSERVE}
 COMM_POLICIES = ("directed", "kind", "shared")
 
 
@@ -235,7 +231,7 @@ def _partners(task: dict[str, _T]) -> dict[str, str]:
     partner: dict[str, str] = {}
     for t in task.values():
         if t.kind in RECV_KINDS:
-            want = PARTNER[t.kind]
+            want = SEND_OF[t.kind]
             sends = [d for d in t.deps if d in task and task[d].kind is want and task[d].stage != t.stage]
             if len(sends) != 1:
                 raise _Mismatch(f"{t.id} (stage {t.stage}): {'no' if not sends else 'more than one'} matching "

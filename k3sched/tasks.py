@@ -120,6 +120,17 @@ OFFLOAD_KINDS = frozenset({Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD, Kind.ACT_ROFFLOAD,
                            Kind.ACT_RSTORE, Kind.ACT_RSERVE,
                            Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
 P2P_KINDS = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV})
+SEND_OF: dict[Kind, Kind] = {
+    Kind.FWD_RECV: Kind.FWD_SEND,        # activations to the next stage
+    Kind.BWD_RECV: Kind.BWD_SEND,        # activation gradients to the previous stage
+    Kind.ACT_RSTORE: Kind.ACT_ROFFLOAD,  # remote offload: the peer keeps the activation
+    Kind.ACT_RONLOAD: Kind.ACT_RSERVE,   # remote onload: the peer sends it back
+}
+"""The transfer pairs: receiving kind -> the sending kind at the other end of one transfer between
+two stages. Every send/receive pairing (planner, P2P check, runtime groups, trace join) derives
+from this table."""
+SEND_KINDS = frozenset(SEND_OF.values())
+RECV_KINDS = frozenset(SEND_OF)
 
 _ID_RE = re.compile(
     r"^s(?P<stage>\d+)/(?:(?:mb(?P<mb>\d+)/)?(?:L(?P<layer>\d+)|v(?P<chunk>\d+))|v(?P<vchunk>\d+)/L(?P<vlayer>\d+)"

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from k3sched.placement import DEFAULT_ORDER, RankOrder
-from k3sched.tasks import Kind, P2P_KINDS
+from k3sched.tasks import P2P_KINDS, SEND_KINDS, Kind
 
 from .executor import PlanTask
 
@@ -239,7 +239,7 @@ def p2p_order(lanes: Mapping[str, list[PlanTask]], peer_of) -> dict[str, dict[in
         if t.kind not in P2P_KINDS:
             continue
         peer, key = peer_of(t)
-        side = "send" if t.kind in (Kind.FWD_SEND, Kind.BWD_SEND) else "recv"
+        side = "send" if t.kind in SEND_KINDS else "recv"
         out[side].setdefault(peer, []).append(key)
     return out
 
