@@ -1,4 +1,4 @@
-"""The k3 heuristic against the exact free-order model with memory (k3sched/exact.py, ``solve_free``).
+"""The k3 heuristic against the exact free-order model with memory (k3sched/exact/free.py, ``solve_free``).
 
 Run: .venv/bin/python benchmarks/bench_exact.py [--dtime 10] [--only NAME ...] [--big]
 

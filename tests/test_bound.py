@@ -1,5 +1,5 @@
 """The memory-aware lower bound (k3sched/bound.py, [Note: memory-aware lower bound]) against CP-SAT
-optima with the device budget modeled (k3sched/exact.py, [Note: exact memory model]).
+optima with the device budget modeled (k3sched/exact/, [Note: exact memory model]).
 
 Deterministic CP-SAT settings: 2 workers, a deterministic time limit (not wall clock), seed 0.
 A valid lower bound is never above a schedule within the budget, so it is checked against the

@@ -1,7 +1,7 @@
 """The k3 list scheduler against the exact optimum (CP-SAT) of the same task DAG.
 
 Fixed suite of small instances derived from configs/tiny-cpu.yaml. The acceptance reference is the
-*backbone-constrained* optimum (k3sched/exact.py, [Note: backbone-constrained mode]): the best lane
+*backbone-constrained* optimum (k3sched/exact/, [Note: backbone-constrained mode]): the best lane
 placement given the plan's pipeline schedule (compute lane gated by the backbone slots with the
 config's lookahead; WGrad, communication and copies free). The free optimum (no backbone, [Note:
 exact model scope]) is solved too and its gap printed, not asserted. Memory is modeled by neither.
