@@ -45,12 +45,13 @@ def read_torch_csv(cfg, path: Path):
     """The backbone in the torch pipelining CSV at ``path`` for ``cfg``'s shape, checked
     (``--from-torch-csv``). ValueError: the file cannot be read, or the first line of what is wrong."""
     from . import schedules
+    from .pipelines import TABLE as PIPELINE_TABLE
 
     try:
         text = path.read_bytes().decode()
         sched = schedules.Schedule.from_torch_csv(
             text, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.microbatches,
-            placement="v" if cfg.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") else "loop")
+            placement=PIPELINE_TABLE[cfg.schedule.pipeline].placement)
         schedules.check(sched)
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None

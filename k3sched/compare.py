@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError, config_from_dict, load_config
+from .pipelines import PIPELINES
+from .pipelines import TABLE as PIPELINE_TABLE
 from .tasks import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,10 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .planner import Plan
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe",
-                               "v-half", "v-min", "chimera")
-_VPP1 = ("gpipe", "1f1b", "zb-h1", "zb-h2", "dualpipe", "chimera")  # dualpipe, chimera: one stage of each copy
-_VPP2 = ("zb-v", "dualpipev", "v-half", "v-min")
+SCHEDULES: tuple[str, ...] = PIPELINES  # [Note: schedule registry]
+_VPP1 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 1)  # dualpipe, chimera: one stage of each copy
+_VPP2 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 2)
 
 
 @dataclass

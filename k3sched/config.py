@@ -26,13 +26,14 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from .pipelines import PIPELINES
+from .pipelines import TABLE as PIPELINE_TABLE
+
 GiB = 1 << 30
 MAX_CONFIG_BYTES = 1 << 20
 """A config file larger than this (1 MiB) is refused unread: configs are a few hundred bytes."""
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "v-half", "v-min",
-             "chimera")
 STRATEGIES = ("k3", "serial")
 DEFAULT_MAX_TASKS = 200_000
 """Default ``schedule.max_tasks`` (see [Note: config limits])."""
@@ -229,9 +230,9 @@ the planner has no per-tensor byte model, so a per-tensor pattern (``attn.q``) i
 class ScheduleConfig(_Section):
     strategy: Literal["k3", "serial"] = "k3"
     """k3: five-lane co-schedule; serial: one task at a time (no-overlap baseline)."""
-    pipeline: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "v-half",
-                      "v-min", "chimera"] = "1f1b"
-    """Pipeline backbone (order of forward / backward chunks per PP rank)."""
+    pipeline: Literal[PIPELINES] = "1f1b"  # type: ignore[valid-type]
+    """Pipeline backbone (order of forward / backward chunks per PP rank): a name of
+    :data:`k3sched.pipelines.TABLE` ([Note: schedule registry])."""
     warmup_extra: int = _int(0, 65536, default=0)
     """Extra warm-up micro-batches for interleaved 1F1B (Kimi K2 uses them to hide EP a2a), 0..65536."""
     device_memory_budget: float | None = _float(0.0, 1e7, default=None)
@@ -377,23 +378,9 @@ class Config(_Section):
         if m.layers < chunks:
             raise ValueError(f"parallel.pp: pp*vpp = {chunks} model chunks need at least that many layers; "
                              f"model.layers is {m.layers}")
-        if self.schedule.pipeline in ("interleaved-1f1b",) and p.vpp < 2:
-            raise ValueError("schedule.pipeline: interleaved-1f1b needs parallel.vpp >= 2; got vpp 1")
-        if self.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") and p.vpp != 2:
-            raise ValueError(f"parallel.vpp: {self.schedule.pipeline} places 2 chunks per rank (V shape); "
-                             f"set vpp 2, got {p.vpp}")
-        if self.schedule.pipeline in ("interleaved-1f1b",) and p.microbatches % p.pp:
-            raise ValueError(f"parallel.microbatches: interleaved-1f1b needs a multiple of pp ({p.pp}); "
-                             f"got {p.microbatches}")
-        if self.schedule.pipeline in ("dualpipe",) and (p.pp % 2 or p.microbatches < 2 * p.pp):
-            raise ValueError(f"schedule.pipeline: dualpipe needs an even pp and microbatches >= 2*pp; got "
-                             f"pp {p.pp}, microbatches {p.microbatches}")
-        if self.schedule.pipeline in ("chimera",) and (p.pp % 2 or p.microbatches % 2):
-            raise ValueError(f"schedule.pipeline: chimera needs an even pp and an even number of microbatches; got "
-                             f"pp {p.pp}, microbatches {p.microbatches}")
-        if self.schedule.pipeline in ("dualpipev",) and p.microbatches < 2 * p.pp:
-            raise ValueError(f"parallel.microbatches: dualpipev needs at least 2*pp = {2 * p.pp}; "
-                             f"got {p.microbatches}")
+        bad = PIPELINE_TABLE[self.schedule.pipeline].config_error(p.pp, p.vpp, p.microbatches)
+        if bad:  # the schedule's own rules ([Note: schedule registry] in k3sched/pipelines.py)
+            raise ValueError(bad)
         return self
 
     @property

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .config import Config
 from .cost import CostModel
+from .pipelines import TABLE as PIPELINE_TABLE
 from .schedules import Placement
 from .tasks import LANE_OF, Kind, Mem, Task, format_task_id
 
@@ -40,10 +41,10 @@ def placement_for(cfg: Config) -> Placement:
     """V-shaped placement for ZB-V, DualPipeV, V-Half and V-Min, Megatron's loop placement
     otherwise; DualPipe and Chimera: two copies of the pp model stages as 2*pp vstages in V
     placement ([Note: dualpipe mapping])."""
-    if cfg.schedule.pipeline in ("dualpipe", "chimera"):
+    entry = PIPELINE_TABLE[cfg.schedule.pipeline]  # [Note: schedule registry]
+    if entry.copies == 2:
         return Placement("v", cfg.parallel.pp, 2)
-    style = "v" if cfg.schedule.pipeline in ("zb-v", "dualpipev", "v-half", "v-min") else "loop"
-    return Placement(style, cfg.parallel.pp, cfg.parallel.vpp)
+    return Placement(entry.placement, cfg.parallel.pp, cfg.parallel.vpp)
 
 
 def split_layers(cfg: Config) -> list[list[int]]:
@@ -162,7 +163,7 @@ class _Builder:
         self.topo: dict[str, int] = {}
         self.start_deps: dict[str, list[str]] = {}
         self.layers = split_layers(cfg)
-        self.bidir = cfg.schedule.pipeline in ("dualpipe", "chimera")
+        self.bidir = PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2
         if self.bidir:  # vstage pp + k is the up copy of model stage k
             self.layers = self.layers + self.layers
         self.offload_sets: dict[tuple[int, int, int], int] = {}

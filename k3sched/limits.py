@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from .config import MAX_TASKS_LIMIT, GiB, Config, ConfigError
 from .cost import CostModel
 from .graph import placement_for, split_layers
+from .pipelines import TABLE as PIPELINE_TABLE
 from .planner import InfeasibleBudget
 from .tasks import Kind
 
@@ -223,7 +224,7 @@ def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBoun
         pl = placement_for(cfg)
         split = split_layers(cfg)
         firsts, lasts = {0}, {pl.num_stages - 1}
-        if cfg.schedule.pipeline in ("dualpipe", "chimera"):  # two model copies ([Note: dualpipe mapping])
+        if PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2:  # two model copies ([Note: dualpipe mapping])
             split, firsts, lasts = split + split, {0, p.pp}, {p.pp - 1, 2 * p.pp - 1}
         static, acts = [], []
         for s in range(p.pp):

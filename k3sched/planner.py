@@ -36,6 +36,7 @@ from .config import GiB, Config
 from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step
 from .listsched import _list_schedule, _prepare, _Prepared
+from .pipelines import TABLE
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
     _device_memory, _device_peak_per_stage, compute_metrics, lower_bound_us, path_bounds)
 from .simulator import MemoryTimeline
@@ -67,7 +68,7 @@ def backbone(cfg: Config) -> "schedules.Schedule":
     """The pipeline schedule named by ``schedule.pipeline`` for this config."""
     p = cfg.parallel
     extra = cfg.schedule.warmup_extra if cfg.schedule.pipeline == "interleaved-1f1b" else 0
-    if cfg.schedule.pipeline in ("dualpipe", "chimera"):
+    if TABLE[cfg.schedule.pipeline].copies == 2:
         # two copies of the model's pp stages, one of each per rank ([Note: dualpipe mapping])
         name = cfg.schedule.pipeline
         if p.vpp != 1:

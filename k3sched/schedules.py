@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .schedule_generators import (_1f1b, _chimera, _dualpipe, _dualpipev, _gpipe, _interleaved, _need, _v_half,
-                                  _v_min, _zb_h1, _zb_h2, _zb_v)
+from .pipelines import TABLE, Pipeline
+from .schedule_generators import _need
 from .schedule_ir import (BWD_OPS, OPS, PAIR_TAG, Action, Pair, Placement, Schedule, Slot, _deps, _resolve,
                           parse_slot, slot_actions)
 from .simulator import DeadlockError, simulate
@@ -267,62 +267,10 @@ def simulate_uniform(schedule: Schedule, F: float = 1.0, B: float = 2.0, W: floa
     return UniformResult(step, dict(busy), idle, bubble, peak, starts, _vpp=schedule.vpp)
 
 
-GENERATORS = {
-    "gpipe": _gpipe,
-    "1f1b": _1f1b,
-    "interleaved-1f1b": _interleaved,
-    "zb-h1": _zb_h1,
-    "zb-h2": _zb_h2,
-    "zb-v": _zb_v,
-    "dualpipev": _dualpipev,
-    "dualpipe": _dualpipe,
-    "v-half": _v_half,
-    "v-min": _v_min,
-    "chimera": _chimera,
-}
-
-
-@dataclass(frozen=True)
-class ScheduleInfo:
-    """A registry entry: what the schedule is, the bubble its source publishes and where from.
-    Formulas use the terms of docs/design.md (F, B, W, I = B - W per (virtual) stage, p ranks,
-    m micro-batches); tests/test_schedules.py checks each against :func:`simulate_uniform`."""
-
-    name: str
-    vpp: int
-    placement: str
-    bidirectional: bool
-    formula: str
-    source: str
-
-
-REGISTRY: dict[str, ScheduleInfo] = {i.name: i for i in (
-    ScheduleInfo("gpipe", 1, "loop", False, "bubble ratio (p-1)/(m+p-1); m micro-batches in flight",
-                 "Huang et al., GPipe, NeurIPS 2019"),
-    ScheduleInfo("1f1b", 1, "loop", False, "idle (p-1)(F+B); at most p micro-batches in flight",
-                 "Narayanan et al., PipeDream-Flush / Megatron-LM, SC 2021"),
-    ScheduleInfo("interleaved-1f1b", 0, "loop", False, "idle (p-1)(F+B) per chunk, 1/vpp of 1F1B's",
-                 "Narayanan et al., Megatron-LM interleaved schedule, SC 2021"),
-    ScheduleInfo("zb-h1", 1, "loop", False, "idle (p-1)(F+B-2W) at 1F1B's memory",
-                 "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024"),
-    ScheduleInfo("zb-h2", 1, "loop", False, "idle <= (p-1)F (fill skew only) at 2p-1 micro-batches",
-                 "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024"),
-    ScheduleInfo("zb-v", 2, "v", False, "idle <= (p-1)max(F, I) at 1F1B's memory",
-                 "Qi et al., Zero Bubble Pipeline Parallelism (V schedule), 2024"),
-    ScheduleInfo("dualpipev", 2, "v", False, "idle (p-1)(F&B+B-3W), F&B = F+B here",
-                 "DeepSeek DualPipe README (DualPipeV, the cut-in-half DualPipe)"),
-    ScheduleInfo("dualpipe", 2, "v", True, "idle (p/2-1)(F&B+B-3W); two parameter copies",
-                 "DeepSeek-V3 technical report, 2024; DualPipe README"),
-    ScheduleInfo("v-half", 2, "v", False, "bubble ratio ~ p/(2m) (F = B = W); peak activations (p+2)//2 "
-                 "micro-batches, about 1/2 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
-                 "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table"),
-    ScheduleInfo("v-min", 2, "v", False, "bubble ratio ~ 2p/(3m) (F = B = W); peak activations (p+4)//3 "
-                 "micro-batches, about 1/3 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
-                 "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table"),
-    ScheduleInfo("chimera", 2, "v", True, "bubble ratio (D-2)/(2N+D-2) with F = B, D = p stages, N = m "
-                 "micro-batches; two parameter copies", "Li & Hoefler, Chimera: Efficiently Training "
-                 "Large-Scale Neural Networks with Bidirectional Pipelines, SC 2021, Table 2"),
-)}
+GENERATORS = {name: p.generator for name, p in TABLE.items()}
+REGISTRY: dict[str, Pipeline] = TABLE
+"""Every schedule's entry (:mod:`k3sched.pipelines`, [Note: schedule registry])."""
+ScheduleInfo = Pipeline
 
 
 def generate(name: str, pp: int, vpp: int, microbatches: int, *, warmup_extra: int = 0) -> Schedule:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .config import GiB, Config, ConfigError, config_from_dict
+from .pipelines import TABLE as PIPELINE_TABLE
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -51,8 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
 NO_LIMIT_GIB = float(1 << 20)
 """The budget the Megatron default is planned under (no limit; see the module docstring)."""
 
-_VPP1 = ("gpipe", "1f1b", "zb-h1", "zb-h2", "dualpipe")
-_VPP2 = ("zb-v", "dualpipev")
+_VPP1 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 1)  # [Note: schedule registry]
+_VPP2 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 2)
 _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("schedule.offload", ("none", "auto", "remote")),
     ("schedule.recompute", (False, True)),

@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from k3sched.pipelines import TABLE as PIPELINE_TABLE
+
 REPO = Path(__file__).resolve().parents[1]
 UNSUPPORTED_KINDS: dict[str, str] = {}  # task kind -> the option that emits it (none today)
 
@@ -109,11 +111,9 @@ def gpu_env(out: Path) -> dict:
     return {**NCCL_ENV, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(out).resolve() / "nccl_trace_rank_")}
 
 
-# Schedules the planner plans but the runtime does not execute, and why (one line each).
-PLANNED_ONLY = {"dualpipe": "(bidirectional: two model copies per rank) is planned, not run: the runtime holds one "
-                            "copy per stage; run dualpipev, its one-copy V-shaped form",
-                "chimera": "(bidirectional: two model replicas per rank) is planned, not run: the runtime holds one "
-                           "copy per stage and does not reduce gradients between replicas"}
+# Schedules the planner plans but the runtime does not execute, and why (one line each; [Note: schedule
+# registry] in k3sched/pipelines.py).
+PLANNED_ONLY = {n: p.planned_only for n, p in PIPELINE_TABLE.items() if p.planned_only}
 
 
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
