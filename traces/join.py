@@ -25,15 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3sched.tasks import Kind
+from k3sched.tasks import SEND_OF as TASK_SEND_OF
 
-# receiving kind -> sending kind: one transfer between two stages ([Note: trace join])
-SEND_OF: dict[str, str] = {
-    Kind.FWD_RECV.value: Kind.FWD_SEND.value,        # activations to the next stage
-    Kind.BWD_RECV.value: Kind.BWD_SEND.value,        # activation gradients to the previous stage
-    Kind.ACT_RSTORE.value: Kind.ACT_ROFFLOAD.value,  # remote offload: the peer keeps the activation
-    Kind.ACT_RONLOAD.value: Kind.ACT_RSERVE.value,   # remote onload: the peer sends it back
-}
+# receiving kind -> sending kind: one transfer between two stages ([Note: trace join]); the task
+# model's one table of transfer pairs (k3sched.tasks.SEND_OF), by kind value
+SEND_OF: dict[str, str] = {r.value: s.value for r, s in TASK_SEND_OF.items()}
 TRANSFER_KINDS = frozenset(SEND_OF) | frozenset(SEND_OF.values())
 
 
