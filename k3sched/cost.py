@@ -325,7 +325,6 @@ class CostModel:
             return 0
         return len(placement_for(self.cfg).replicated()) * 3 * m.hidden * m.expert_hidden
 
-
     def shared_params(self) -> int:
         m = self.cfg.model
         return m.shared_experts * 3 * m.hidden * m.expert_hidden + m.hidden * m.experts
@@ -459,7 +458,6 @@ class CostModel:
         lat = hw.internode_latency_us if inter_any else hw.nvlink_latency_us
         a2a = self.skew_factors()[1]  # the busiest rank's bytes ([Note: skewed cost] in k3sched/balance.py)
         return Wire(steps=calls, terms=tuple((b * a2a, gbps) for b, gbps in terms), latency_us=lat)
-
 
     def wire(self, kind: Kind, *, layer: int | None = None, nbytes: int = 0,
              stages: tuple[int, int] | None = None) -> Wire | None:
