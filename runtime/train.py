@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="cuda: NCCL, one GPU per rank (LOCAL_RANK); cpu: gloo; auto: cuda when present")
     ap.add_argument("--p2p", choices=["buffered", "strict"], default="buffered",
                     help="strict: gloo P2P behaves like NCCL (a send completes once the receive is posted, one "
-                         "stream per communicator; [Note: strict P2P] in runtime/stage.py); NCCL always is")
+                         "stream per communicator; [Note: strict P2P] in runtime/stage/p2p.py); NCCL always is")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     return ap.parse_args(argv)
 
@@ -327,7 +328,33 @@ def _race_totals(rc, rank: int, device) -> dict | None:
     return {"storages": storages, "accesses": accesses, "cells": cells, "cell_accesses": cell_accesses, "races": 0}
 
 
-def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
+@dataclass(frozen=True)
+class _Setup:
+    """What :func:`_setup` made of the arguments and the environment."""
+
+    opts: object  # runtime.options.RuntimeOptions
+    cfg: object  # k3sched.config.Config
+    seed: int
+    device: object  # torch.device
+    use_cuda: bool
+    timeout: timedelta
+
+
+@dataclass
+class _StepLog:
+    """Per step of :func:`_run_steps`: loss, step time, peak device bytes, wall time, routing counts;
+    ``record`` is the executor's record of the last step."""
+
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    routed: list[dict] = field(default_factory=list)  # per step: this rank's routing counts per MoE layer
+    record: object = None
+
+
+def _setup(args: argparse.Namespace, rank: int, world: int) -> _Setup:
+    """Runtime options, config, seed, device and the default process group."""
     import torch
     import torch.distributed as dist
 
@@ -343,14 +370,6 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         faulthandler.dump_traceback_later(opts.stacks_after_s, exit=False)
 
     from k3sched.config import ConfigError, load_config
-    from k3sched.planner import InfeasibleBudget, plan
-    from k3sched.render import plan_to_json
-
-    from runtime.executor import Executor, perturb_lanes, stage_lanes
-    from k3sched.p2pcheck import P2PDeadlock, check_plan
-    from runtime.groups import (Layout, build_groups, build_p2p_groups, p2p_edges, verify_orders, verify_same_plan,
-                                warm_up_p2p)
-    from runtime.stage import StageRunner, StageSpec, build_remote_group, verify_remote_orders
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -379,8 +398,18 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     if world > 1 or os.environ.get("MASTER_ADDR"):
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timeout,
                                 **({"device_id": device} if use_cuda else {}))
-    lo = Layout(p.pp, p.dp, p.ep, rank, p.order)
-    groups = build_groups(lo, timeout=timeout)
+    return _Setup(opts, cfg, seed, device, use_cuda, timeout)
+
+
+def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
+    """Plan the step; every rank's plan must be byte-identical and NCCL-safe; rank 0 writes plan.json."""
+    from k3sched.config import ConfigError
+    from k3sched.p2pcheck import P2PDeadlock, check_plan
+    from k3sched.planner import InfeasibleBudget, plan
+    from k3sched.render import plan_to_json
+
+    from runtime.groups import verify_same_plan
+
     try:
         the_plan = plan(cfg, args.strategy)
     except (InfeasibleBudget, ConfigError) as e:
@@ -394,15 +423,25 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         raise UserError(str(e)) from None
     if rank == 0:
         (out / "plan.json").write_bytes(plan_bytes)
-    stage = lo.pp_idx
-    spec = StageSpec.of(cfg, stage)
+    return doc
+
+
+def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
+    """(spec, lanes, runner) of this rank's stage: its P2P and remote groups built and warmed up,
+    the runner bound to the plan, fault injection set."""
+    from runtime.executor import stage_lanes
+    from runtime.groups import build_p2p_groups, p2p_edges, warm_up_p2p
+    from runtime.stage import StageRunner, StageSpec, build_remote_group
+
+    opts, stage = s.opts, groups.layout.pp_idx
+    spec = StageSpec.of(s.cfg, stage)
     lanes = stage_lanes(doc, stage)
-    remote_group = build_remote_group(groups, doc, timeout=timeout)
-    strict = args.p2p == "strict" and not use_cuda  # NCCL is strict by itself
-    build_p2p_groups(groups, p2p_edges(spec.vstage_rank), ready=strict, timeout=timeout)
-    warm_up_p2p(groups, args.timeout, device)  # [Note: NCCL-safe P2P]
-    runner = StageRunner(cfg, spec, groups, seed=seed, lr=args.lr, weight_decay=args.weight_decay, device=device,
-                         fail_task=opts.fail_task, remote_group=remote_group,
+    remote_group = build_remote_group(groups, doc, timeout=s.timeout)
+    strict = args.p2p == "strict" and not s.use_cuda  # NCCL is strict by itself
+    build_p2p_groups(groups, p2p_edges(spec.vstage_rank), ready=strict, timeout=s.timeout)
+    warm_up_p2p(groups, args.timeout, s.device)  # [Note: NCCL-safe P2P]
+    runner = StageRunner(s.cfg, spec, groups, seed=s.seed, lr=args.lr, weight_decay=args.weight_decay,
+                         device=s.device, fail_task=opts.fail_task, remote_group=remote_group,
                          offload_debug=args.offload_debug or opts.offload_debug, copy_delay_s=opts.copy_delay_s,
                          unsafe_shared_dx=opts.unsafe_shared_dx,
                          p2p="strict" if strict else "buffered", p2p_timeout_s=args.timeout)
@@ -410,12 +449,22 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
     if opts.fail_task is not None:
         runner.fail_step, runner.fail_kill, runner.fail_hang = (opts.fail_step, opts.fail_signal == "KILL",
                                                                 opts.fail_signal == "HANG")
-    ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, seed)
+    return spec, lanes, runner
+
+
+def _build_executor(args: argparse.Namespace, s: _Setup, doc: dict, groups, spec, lanes, runner):
+    """(executor, race checker or None): the lane orders checked against the peers', the plan's
+    lanes perturbed and race-checked as asked."""
+    from runtime.executor import Executor, perturb_lanes
+    from runtime.groups import verify_orders
+    from runtime.stage import verify_remote_orders
+
+    opts, rank, stage = s.opts, groups.layout.rank, groups.layout.pp_idx
     perturbed = perturb_lanes(lanes, *opts.perturb) if opts.perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     verify_remote_orders(groups, lanes, stage)
     lanes, extra, planned_deps = _race_setup(args, lanes, runner.extra_deps(lanes), stage)
-    ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=device, perturb=None,
+    ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=s.device, perturb=None,
                   extra_deps=extra, dep_timeout_s=args.timeout, serial=doc["strategy"] == "serial",
                   shared_links=doc.get("shared_links", ()))
     ex.perturbed = perturbed
@@ -425,8 +474,179 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
 
         rc = ex.racecheck = RaceChecker.for_executor(ex, planned_deps)
         rc.install()
+    return ex, rc
+
+
+def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, out: Path, device, rank: int,
+               progress) -> _StepLog:
+    """Steps ``first_step`` .. ``--steps``: run each, sum the loss over ranks, checkpoint when due;
+    ``progress(step, loss, dt)`` prints the step's line (rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    p = runner.cfg.parallel
     M, R = p.microbatches, p.ep * p.dp
+    log = _StepLog()
+    for step in range(first_step, args.steps):
+        t_wall = time.perf_counter()
+        if dist.is_initialized():
+            dist.barrier()
+        runner.capture_grads = args.dump_grads and step == first_step
+        runner.begin_step(step)
+        log.record, contrib = _run_step(ex, runner, rc, step, device)
+        log.routed.append(runner.routing_counts())
+        if runner.captured is not None:
+            torch.save(runner.captured, out / f"grads_rank{rank}.pt")
+            runner.captured = None
+        loss_t = torch.tensor([contrib], dtype=torch.float64)
+        time_t = torch.tensor([log.record.wall_s], dtype=torch.float64)
+        if dist.is_initialized():
+            loss_t, time_t = loss_t.to(device), time_t.to(device)
+            # every rank's contribution, summed exactly (fsum: the same whatever rank holds which
+            # coordinate, so parallel.order changes no reported loss)
+            parts = [torch.zeros_like(loss_t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, loss_t)
+            loss_t = torch.tensor([math.fsum(float(x) for x in parts)], dtype=torch.float64)
+            dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+        loss, dt = float(loss_t) / (M * R), float(time_t)
+        log.losses.append(loss)
+        log.times.append(dt)
+        log.peaks.append(runner.memory.peak_device)
+        progress(step, loss, dt)
+        if runner.data is not None:
+            runner.data.advance()
+        if ckpt.due(step + 1):
+            from runtime.data import synthetic_state
+
+            ckpt.save(step + 1, runner.data.state() if runner.data is not None else synthetic_state(step + 1))
+        log.walls.append(time.perf_counter() - t_wall)
+    return log
+
+
+def _write_trace(ex, runner, log: _StepLog, rank: int, out: Path, device, predicted_us: float,
+                 planned_peak: int) -> None:
+    """trace_rank{R}.json: the last step, aligned so the earliest task of any rank starts at 0."""
+    import torch
+    import torch.distributed as dist
+
+    record = log.record
+    t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
+                      dtype=torch.float64)
+    if dist.is_initialized():
+        t0 = t0.to(device)
+        dist.all_reduce(t0, op=dist.ReduceOp.MIN)
+    if record is not None:
+        trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
+        trace["traceEvents"] += runner.memory.counter_events(rank, float(t0))
+        trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
+        trace["otherData"]["memory_samples_missed"] = runner.memory.missed_samples
+        trace["otherData"]["plan_peak_device_bytes"] = planned_peak
+        if log.routed and log.routed[-1]:  # this rank's routed slots in the traced step
+            trace["otherData"]["routing"] = {str(L): {"tokens_per_expert": e, "tokens_per_slot": g}
+                                             for L, (e, g) in log.routed[-1].items()}
+        (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
+
+
+def _gather_totals(runner, rc, ckpt, log: _StepLog, first_step: int, rank: int, world: int, device):
+    """Every rank: (peak device / host / peer bytes of each rank, race counts, routing summary,
+    longest blocking checkpoint time over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    mem = torch.tensor([runner.memory.peak_device, runner.memory.peak_host, runner.memory.peak_peer],
+                       dtype=torch.float64)
+    mems = [mem]
+    if dist.is_initialized():
+        mems = [torch.zeros_like(mem).to(device) for _ in range(world)]
+        dist.all_gather(mems, mem.to(device))
+    mems = [[int(x) for x in m.cpu().tolist()] for m in mems]
+    race_doc = _race_totals(rc, rank, device)
+    routing_doc = _routing_summary(runner.cfg, runner, log.routed,
+                                   list(range(first_step, first_step + len(log.routed))), device)
+    ckpt_s = torch.tensor([ckpt.summary()["blocking_s"]], dtype=torch.float64)
+    if dist.is_initialized():
+        ckpt_s = ckpt_s.to(device)
+        dist.all_reduce(ckpt_s, op=dist.ReduceOp.MAX)
+    return mems, race_doc, routing_doc, float(ckpt_s)
+
+
+def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, runner, ckpt, log: _StepLog,
+             totals, first_step: int, resumed_from) -> dict:
+    """summary.json (rank 0)."""
+    from runtime.groups import Layout
+
+    p, cfg = s.cfg.parallel, s.cfg
+    mems, race_doc, routing_doc, ckpt_s = totals
+    M, R, times = p.microbatches, p.ep * p.dp, log.times
     tokens_per_step = M * R * cfg.model.micro_batch_size * cfg.model.seq_len
+    predicted_us = float(doc["metrics"]["step_time_us"])
+    steady = sorted(times[1:] or times)
+    measured = steady[len(steady) // 2] if steady else 0.0
+    summary = {
+        "format": "k3sched.run/1", "config": str(args.config), "overrides": args.overrides,
+        "strategy": doc["strategy"], "pipeline": doc["pipeline"], "world": world, "device": s.device.type,
+        "pp": p.pp, "dp": p.dp, "ep": p.ep, "microbatches": M, "steps": args.steps, "seed": s.seed, "lr": args.lr,
+        "losses": log.losses, "step_time_s": times, "tokens_per_step": tokens_per_step,
+        "tokens_per_s": [tokens_per_step / t for t in times],
+        "predicted_step_time_us": predicted_us, "measured_step_time_us": measured * 1e6,
+        "measured_over_predicted": (measured * 1e6 / predicted_us) if predicted_us else None,
+        "perturbed": list(ex.perturbed) if ex.perturbed else None, "p2p": args.p2p,
+        "budget_bytes": doc["metrics"].get("budget_bytes"),
+        "peak_device_bytes_planned": doc["metrics"]["peak_device_bytes"],
+        "peak_device_bytes_measured": [m[0] for m in mems],
+        "peak_host_bytes_measured": [m[1] for m in mems],
+        "peak_peer_bytes_measured": [m[2] for m in mems],
+        "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
+        "offloaded_sets": doc["metrics"].get("offloaded_sets"),
+        "racecheck": race_doc,
+        "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
+        "step_wall_s": log.walls, "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
+        "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
+    }
+    if routing_doc is not None:
+        summary["routing"] = routing_doc
+    return summary
+
+
+def _print_totals(console, cfg, doc: dict, times: list[float], totals) -> None:
+    """Rank 0's closing lines: measured against predicted step time and peak memory, routing imbalance."""
+    from runtime.groups import Layout
+
+    p = cfg.parallel
+    mems, _, routing_doc, _ = totals
+    predicted_us = float(doc["metrics"]["step_time_us"])
+    steady = sorted(times[1:] or times)
+    med_us = (steady[len(steady) // 2] if steady else 0.0) * 1e6
+    console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {2 if len(times) > 1 else 1}.."
+                  f"{len(times)}), predicted {predicted_us / 1e3:.1f} ms, measured/predicted "
+                  f"{med_us / predicted_us if predicted_us else float('nan'):.3f}")
+    planned = doc["metrics"]["peak_device_bytes"]
+    console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
+        f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx] / 2**20:.2f}"
+        for r, m in enumerate(mems)))
+    if routing_doc is not None:
+        console.print(f"routing imbalance (max / mean tokens per EP rank, mean over steps and MoE layers): "
+                      f"{routing_doc['imbalance_mean']:.3f} (on the contiguous placement: "
+                      f"{routing_doc['imbalance_contiguous_mean']:.3f})")
+
+
+def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
+    """setup, plan and its checks, the stage runner, checkpoints, the step loop, the outputs."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.groups import Layout, build_groups
+
+    s = _setup(args, rank, world)
+    cfg, p, device = s.cfg, s.cfg.parallel, s.device
+    lo = Layout(p.pp, p.dp, p.ep, rank, p.order)
+    groups = build_groups(lo, timeout=s.timeout)
+    doc = _checked_plan(args, cfg, rank, out)
+    stage = lo.pp_idx
+    spec, lanes, runner = _build_runner(args, s, doc, groups)
+    ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, s.seed)
+    ex, rc = _build_executor(args, s, doc, groups, spec, lanes, runner)
+    tokens_per_step = p.microbatches * p.ep * p.dp * cfg.model.micro_batch_size * cfg.model.seq_len
     predicted_us = float(doc["metrics"]["step_time_us"])
     show = rank == 0 and not args.quiet
     console = None
@@ -439,122 +659,27 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
                       f"{predicted_us / 1e3:.1f} ms")
     runner.bind_streams(ex.lane_streams())
     planned_peak = doc["metrics"]["peak_device_bytes"][stage]
-    losses, times, record = [], [], None
-    peaks: list[int] = []
-    walls: list[float] = []
-    routed: list[dict] = []  # per step: this rank's routing counts per MoE layer
-    try:
-        for step in range(first_step, args.steps):
-            t_wall = time.perf_counter()
-            if dist.is_initialized():
-                dist.barrier()
-            runner.capture_grads = args.dump_grads and step == first_step
-            runner.begin_step(step)
-            record, contrib = _run_step(ex, runner, rc, step, device)
-            routed.append(runner.routing_counts())
-            if runner.captured is not None:
-                torch.save(runner.captured, out / f"grads_rank{rank}.pt")
-                runner.captured = None
-            loss_t = torch.tensor([contrib], dtype=torch.float64)
-            time_t = torch.tensor([record.wall_s], dtype=torch.float64)
-            if dist.is_initialized():
-                loss_t, time_t = loss_t.to(device), time_t.to(device)
-                # every rank's contribution, summed exactly (fsum: the same whatever rank holds which
-                # coordinate, so parallel.order changes no reported loss)
-                parts = [torch.zeros_like(loss_t) for _ in range(dist.get_world_size())]
-                dist.all_gather(parts, loss_t)
-                loss_t = torch.tensor([math.fsum(float(x) for x in parts)], dtype=torch.float64)
-                dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
-            loss, dt = float(loss_t) / (M * R), float(time_t)
-            losses.append(loss)
-            times.append(dt)
-            peaks.append(runner.memory.peak_device)
-            if console is not None:
-                console.print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  step {dt * 1e3:8.1f} ms  "
-                              f"{tokens_per_step / dt:10,.0f} tok/s  peak device {runner.memory.peak_device / 2**20:.2f} "
-                              f"MiB (plan {planned_peak / 2**20:.2f} MiB, stage {stage})")
-            if runner.data is not None:
-                runner.data.advance()
-            if ckpt.due(step + 1):
-                from runtime.data import synthetic_state
 
-                ckpt.save(step + 1, runner.data.state() if runner.data is not None else synthetic_state(step + 1))
-            walls.append(time.perf_counter() - t_wall)
+    def progress(step: int, loss: float, dt: float) -> None:
+        if console is not None:
+            console.print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  step {dt * 1e3:8.1f} ms  "
+                          f"{tokens_per_step / dt:10,.0f} tok/s  peak device {runner.memory.peak_device / 2**20:.2f} "
+                          f"MiB (plan {planned_peak / 2**20:.2f} MiB, stage {stage})")
+
+    try:
+        log = _run_steps(args, ex, runner, rc, ckpt, first_step, out, device, rank, progress)
         ckpt.wait()  # the last asynchronous save completes before the run ends
-        # trace of the last step, aligned so the earliest task of any rank starts at 0
-        t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
-                          dtype=torch.float64)
-        if dist.is_initialized():
-            t0 = t0.to(device)
-            dist.all_reduce(t0, op=dist.ReduceOp.MIN)
-        if record is not None:
-            trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
-            trace["traceEvents"] += runner.memory.counter_events(rank, float(t0))
-            trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
-            trace["otherData"]["memory_samples_missed"] = runner.memory.missed_samples
-            trace["otherData"]["plan_peak_device_bytes"] = planned_peak
-            if routed and routed[-1]:  # this rank's routed slots in the traced step
-                trace["otherData"]["routing"] = {str(L): {"tokens_per_expert": e, "tokens_per_slot": g}
-                                                 for L, (e, g) in routed[-1].items()}
-            (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
+        _write_trace(ex, runner, log, rank, out, device, predicted_us, planned_peak)
     finally:
         ex.close()
     if args.dump_params:
         torch.save({n: q.detach().cpu().clone() for n, q in runner.model.named_parameters()}, out / f"params_rank{rank}.pt")
-    mem = torch.tensor([runner.memory.peak_device, runner.memory.peak_host, runner.memory.peak_peer],
-                       dtype=torch.float64)
-    mems = [mem]
-    if dist.is_initialized():
-        mems = [torch.zeros_like(mem).to(device) for _ in range(world)]
-        dist.all_gather(mems, mem.to(device))
-    mems = [[int(x) for x in m.cpu().tolist()] for m in mems]
-    race_doc = _race_totals(rc, rank, device)
-    routing_doc = _routing_summary(cfg, runner, routed, list(range(first_step, first_step + len(routed))), device)
-    ckpt_s = torch.tensor([ckpt.summary()["blocking_s"]], dtype=torch.float64)
-    if dist.is_initialized():
-        ckpt_s = ckpt_s.to(device)
-        dist.all_reduce(ckpt_s, op=dist.ReduceOp.MAX)
+    totals = _gather_totals(runner, rc, ckpt, log, first_step, rank, world, device)
     if rank == 0:
-        steady = sorted(times[1:] or times)
-        measured = steady[len(steady) // 2] if steady else 0.0
-        summary = {
-            "format": "k3sched.run/1", "config": str(args.config), "overrides": args.overrides,
-            "strategy": doc["strategy"], "pipeline": doc["pipeline"], "world": world, "device": device.type,
-            "pp": p.pp, "dp": p.dp, "ep": p.ep, "microbatches": M, "steps": args.steps, "seed": seed, "lr": args.lr,
-            "losses": losses, "step_time_s": times, "tokens_per_step": tokens_per_step,
-            "tokens_per_s": [tokens_per_step / t for t in times],
-            "predicted_step_time_us": predicted_us, "measured_step_time_us": measured * 1e6,
-            "measured_over_predicted": (measured * 1e6 / predicted_us) if predicted_us else None,
-            "perturbed": list(ex.perturbed) if ex.perturbed else None, "p2p": args.p2p,
-            "budget_bytes": doc["metrics"].get("budget_bytes"),
-            "peak_device_bytes_planned": doc["metrics"]["peak_device_bytes"],
-            "peak_device_bytes_measured": [m[0] for m in mems],
-            "peak_host_bytes_measured": [m[1] for m in mems],
-            "peak_peer_bytes_measured": [m[2] for m in mems],
-            "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
-            "offloaded_sets": doc["metrics"].get("offloaded_sets"),
-            "racecheck": race_doc,
-            "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
-            "step_wall_s": walls, "checkpoint_s": float(ckpt_s), "checkpoint": ckpt.summary(),
-            "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
-        }
-        if routing_doc is not None:
-            summary["routing"] = routing_doc
+        summary = _summary(args, s, doc, world, ex, runner, ckpt, log, totals, first_step, resumed_from)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if show:
-        steady = sorted(times[1:] or times)
-        med_us = (steady[len(steady) // 2] if steady else 0.0) * 1e6
-        console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {2 if len(times) > 1 else 1}.."
-                      f"{len(times)}), predicted {predicted_us / 1e3:.1f} ms, measured/predicted "
-                      f"{med_us / predicted_us if predicted_us else float('nan'):.3f}")
-        planned = doc["metrics"]["peak_device_bytes"]
-        console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
-            f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx] / 2**20:.2f}"
-            for r, m in enumerate(mems)))
-        if routing_doc is not None:
-            console.print(f"routing imbalance (max / mean tokens per EP rank, mean over steps and MoE layers): "
-                          f"{routing_doc['imbalance_mean']:.3f} (on the contiguous placement: "
-                          f"{routing_doc['imbalance_contiguous_mean']:.3f})")
+        _print_totals(console, cfg, doc, log.times, totals)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
