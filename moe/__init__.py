@@ -3,7 +3,7 @@
 Entry points: :class:`MoEModelArgs`, :class:`MoEModel` (``build``, ``new_microbatch``, ``run``,
 ``reference_loss``), :func:`run_microbatch_in_order`, :func:`microbatch_tasks`. See
 [Note: split backward] in :mod:`moe.split` and [Note: sub-op graph of one layer] in
-:mod:`moe.model`.
+:mod:`moe.taskgraph`.
 """
 
 from moe.config import MoEModelArgs

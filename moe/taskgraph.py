@@ -1,0 +1,119 @@
+"""The task graph of one layer and micro-batch, and a micro-batch's tasks run in one valid order
+(the serial reference of :class:`moe.MoEModel`).
+
+[Note: sub-op graph of one layer]
+    attn.fwd     x -> RMSNorm -> qkv -> causal SDPA -> o-proj -> h = x + o; xn = RMSNorm(h)
+    router.fwd   xn -> gate -> softmax scores -> top-k (selection may add ``expert_bias``)
+                 -> weights w (renormalised if ``normalize_topk``), sequence-wise aux loss
+    dispatch.fwd sort slots by expert, exchange counts, all-to-all xn rows to the expert ranks
+    shared.fwd   xn -> shared SwiGLU (replicated on every EP rank)
+    expert.fwd   received rows -> grouped SwiGLU over the local experts
+    combine.fwd  all-to-all back, unpermute, y = h + shared + sum_k w_k * expert_k(xn)
+    mlp.fwd      (dense layers, instead of router..combine) y = h + SwiGLU(xn)
+Backward: combine.bwd (local combine backward, then all-to-all of the expert-output grads to the
+expert ranks) -> expert.dx / shared.dx / router.bwd -> [dispatch.re] -> dispatch.bwd (all-to-all
+of input grads back, unpermute) -> attn.dx. WGrad: attn.dw, shared.dw, expert.dw (after
+dispatch.re when dispatch recompute is on), mlp.dw. Router dW runs inside router.bwd.
+Per micro-batch extras: embed.fwd / embed.dw (after attn.dx of layer 0), head.fwd (loss),
+head.dx, head.dw. ``INTRA_LAYER_DEPS`` lists these dependencies as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from k3sched.tasks import Kind
+from moe.comm import ProcessGroup
+from moe.config import MoEModelArgs
+from moe.context import MicroBatch
+
+if TYPE_CHECKING:
+    from moe.model import MoEModel
+
+INTRA_LAYER_DEPS: Mapping[Kind, tuple[Kind, ...]] = MappingProxyType({
+    Kind.ROUTER_FWD: (Kind.ATTN_FWD,),
+    Kind.SHARED_FWD: (Kind.ATTN_FWD,),
+    Kind.DISPATCH_FWD: (Kind.ROUTER_FWD,),
+    Kind.EXPERT_FWD: (Kind.DISPATCH_FWD,),
+    Kind.COMBINE_FWD: (Kind.EXPERT_FWD, Kind.SHARED_FWD, Kind.ROUTER_FWD),
+    Kind.MLP_FWD: (Kind.ATTN_FWD,),
+    Kind.COMBINE_BWD: (Kind.COMBINE_FWD,),
+    Kind.EXPERT_DX: (Kind.COMBINE_BWD,),
+    Kind.SHARED_DX: (Kind.COMBINE_BWD,),
+    Kind.ROUTER_BWD: (Kind.COMBINE_BWD,),
+    Kind.DISPATCH_RE: (Kind.EXPERT_FWD,),
+    Kind.DISPATCH_BWD: (Kind.EXPERT_DX,),
+    Kind.ATTN_DX: (Kind.DISPATCH_BWD, Kind.SHARED_DX, Kind.ROUTER_BWD, Kind.MLP_DX),
+    Kind.MLP_DX: (Kind.MLP_FWD,),
+    Kind.ATTN_DW: (Kind.ATTN_DX,),
+    Kind.SHARED_DW: (Kind.SHARED_DX,),
+    Kind.EXPERT_DW: (Kind.EXPERT_DX, Kind.DISPATCH_RE),
+    Kind.MLP_DW: (Kind.MLP_DX,),
+})
+"""Dependencies between the tasks of one layer and micro-batch (kinds absent from a layer, e.g.
+``mlp.*`` in an MoE layer or ``dispatch.re`` without recompute, are to be ignored). Across layers:
+attn.fwd(l) needs combine.fwd / mlp.fwd (l-1) (embed.fwd for l = 0); combine.bwd / mlp.dx (l) need
+attn.dx (l+1) (head.dx for the last layer); embed.dw needs attn.dx (0)."""
+
+LAYER_KINDS: frozenset[Kind] = frozenset(k for k in Kind if k.op in {"attn", "router", "dispatch", "shared",
+                                                                      "expert", "combine", "mlp"})
+MICROBATCH_KINDS: frozenset[Kind] = frozenset({Kind.EMBED_FWD, Kind.EMBED_DW, Kind.HEAD_FWD, Kind.HEAD_DX,
+                                               Kind.HEAD_DW})
+
+
+@dataclass(frozen=True)
+class MicroBatchTasks:
+    """The tasks of one micro-batch in a valid order, as ``(kind, layer or None)`` pairs."""
+
+    forward: tuple[tuple[Kind, int | None], ...]
+    backward_dx: tuple[tuple[Kind, int | None], ...]
+    wgrad: tuple[tuple[Kind, int | None], ...]
+
+
+def microbatch_tasks(args: MoEModelArgs) -> MicroBatchTasks:
+    """Forward of every layer, then dX in reverse layer order, then every dW."""
+    fwd: list[tuple[Kind, int | None]] = [(Kind.EMBED_FWD, None)]
+    dx: list[tuple[Kind, int | None]] = [(Kind.HEAD_DX, None)]
+    dw: list[tuple[Kind, int | None]] = [(Kind.HEAD_DW, None)]
+    for i in range(args.layers):
+        if args.is_moe_layer(i):
+            kinds = [Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD,
+                     Kind.COMBINE_FWD]
+        else:
+            kinds = [Kind.ATTN_FWD, Kind.MLP_FWD]
+        fwd += [(k, i) for k in kinds]
+    fwd.append((Kind.HEAD_FWD, None))
+    for i in reversed(range(args.layers)):
+        if args.is_moe_layer(i):
+            kinds = [Kind.COMBINE_BWD, Kind.SHARED_DX, Kind.ROUTER_BWD, Kind.EXPERT_DX]
+            kinds += [Kind.DISPATCH_RE] if args.dispatch_recompute else []
+            kinds += [Kind.DISPATCH_BWD, Kind.ATTN_DX]
+            dw += [(k, i) for k in (Kind.SHARED_DW, Kind.EXPERT_DW, Kind.ATTN_DW)]
+        else:
+            kinds = [Kind.MLP_DX, Kind.ATTN_DX]
+            dw += [(k, i) for k in (Kind.MLP_DW, Kind.ATTN_DW)]
+        dx += [(k, i) for k in kinds]
+    dw.append((Kind.EMBED_DW, None))
+    return MicroBatchTasks(tuple(fwd), tuple(dx), tuple(dw))
+
+
+def run_tasks(model: MoEModel, mb: MicroBatch, tasks: tuple[tuple[Kind, int | None], ...],
+              ep_group: ProcessGroup | None = None) -> None:
+    """Run ``tasks`` of ``mb`` in the given order."""
+    for kind, layer in tasks:
+        model.run(kind, mb, layer, ep_group)
+
+
+def run_microbatch_in_order(model: MoEModel, mb: MicroBatch, ep_group: ProcessGroup | None = None) -> Tensor:
+    """Run every task of ``mb`` (forward, dX in reverse, then all dW); return its loss."""
+    tasks = microbatch_tasks(model.args)
+    run_tasks(model, mb, tasks.forward, ep_group)
+    run_tasks(model, mb, tasks.backward_dx, ep_group)
+    run_tasks(model, mb, tasks.wgrad, ep_group)
+    assert mb.loss is not None
+    return mb.loss
