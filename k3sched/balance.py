@@ -18,7 +18,7 @@ each holding one expert; every expert has at least one slot and at most one per 
 an expert with n replicas are split among them deterministically (each source rank sends the j-th
 of its c tokens for the expert, in token order, to replica ``j * n // c``, replicas in (rank, slot)
 order), so every replica gets about 1/n of the expert's load. Replica gradients are summed into one
-(``runtime/stage.py``, grad.rs), so the model is the one without replicas. Without a file the
+(``runtime/stage/gradients.py``, grad.rs), so the model is the one without replicas. Without a file the
 placement is computed from the modelled loads (:func:`balance` on :func:`expected_loads`), so plan
 and run agree with no file at all. The file (YAML, written by ``k3sched balance``)::
 
