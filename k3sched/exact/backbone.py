@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import Config
 from ..graph import StepGraph, build_step
-from .common import (MODES, _STATUS, ExactResult, Hint, _check_size, _exact_config, _int_durations, _levels_fit,
-                     _lower_bound, _one_at_a_time, _retime, _Starts)
+from .common import (MODES, _STATUS, ExactResult, Hint, _check_size, _exact_config, _gap_fields, _int_durations,
+                     _levels_fit, _lower_bound, _one_at_a_time, _retime, _Starts)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planner import Plan
@@ -270,17 +270,8 @@ def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hi
     res = solve_exact(cfg, mode=mode, ranks=plan.backbone, lookahead=plan_lookahead(plan), wgrad_lag=wgrad_lag,
                       time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
     heur = float(plan.metrics["step_time_us"])
-    ref = res.makespan_us if res.optimal else res.bound_us
     return {
-        "mode": res.mode,
-        "status": res.status,
-        "optimum_us": res.makespan_us if res.optimal else None,
-        "best_us": res.makespan_us,
-        "bound_us": res.bound_us,
-        "heuristic_us": heur,
-        "gap": heur / ref - 1.0 if ref > 0 else math.inf,
-        "gap_vs_bound": heur / res.bound_us - 1.0 if res.bound_us > 0 else math.inf,
-        "gap_vs_best": heur / res.makespan_us - 1.0,
+        **_gap_fields(res, heur),
         "planner_lower_bound_us": float(plan.metrics["lower_bound_us"]),
         "strategy": plan.strategy,
         "pipeline": plan.pipeline,

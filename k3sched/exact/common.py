@@ -187,3 +187,20 @@ def _lower_bound(g: StepGraph, dur: dict[str, int], scale: int) -> tuple[dict[st
     head, tail = _heads_tails(g, dur)
     cp_len = max(head[t] + dur[t] + tail[t] for t in g.tasks)
     return head, tail, max(cp_len, int(math.floor(lower_bound_us(g)[0] * scale + 1e-6)))
+
+
+def _gap_fields(res, heur: float) -> dict:
+    """The report fields every exact mode shares: status, optimum / best / bound and the heuristic's
+    gap to the optimum (to the bound when not proven), to the bound and to the best found."""
+    ref = res.makespan_us if res.optimal else res.bound_us
+    return {
+        "mode": res.mode,
+        "status": res.status,
+        "optimum_us": res.makespan_us if res.optimal else None,
+        "best_us": res.makespan_us,
+        "bound_us": res.bound_us,
+        "heuristic_us": heur,
+        "gap": heur / ref - 1.0 if ref > 0 else math.inf,
+        "gap_vs_bound": heur / res.bound_us - 1.0 if res.bound_us > 0 else math.inf,
+        "gap_vs_best": heur / res.makespan_us - 1.0,
+    }

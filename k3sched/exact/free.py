@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Sequence
 from ..config import Config
 from ..graph import StepGraph, build_step
 from ..tasks import Kind, Mem, Task, format_task_id
-from .common import (_STATUS, ExactResult, _check_size, _exact_config, _int_durations, _levels_fit, _lower_bound,
-                     _one_at_a_time)
+from .common import (_STATUS, ExactResult, _check_size, _exact_config, _gap_fields, _int_durations, _levels_fit,
+                     _lower_bound, _one_at_a_time)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planner import Plan
@@ -532,18 +532,9 @@ def free_report(cfg: Config, plan: "Plan", *, extra_hints: "Sequence[Plan]" = ()
     if not math.isfinite(res.makespan_us):
         raise ValueError(f"no schedule within the budget found in deterministic time {deterministic_time:g} "
                          f"(CP-SAT status {res.status})")
-    ref = res.makespan_us if res.optimal else res.bound_us
     counts = {c: sum(1 for x in res.choices.values() if x == c) for c in ACT_CHOICES}
     return {
-        "mode": res.mode,
-        "status": res.status,
-        "optimum_us": res.makespan_us if res.optimal else None,
-        "best_us": res.makespan_us,
-        "bound_us": res.bound_us,
-        "heuristic_us": heur,
-        "gap": heur / ref - 1.0 if ref > 0 else math.inf,
-        "gap_vs_bound": heur / res.bound_us - 1.0 if res.bound_us > 0 else math.inf,
-        "gap_vs_best": heur / res.makespan_us - 1.0,
+        **_gap_fields(res, heur),
         "choices": counts,
         "budget_bytes": res.budget_bytes,
         "num_tasks": res.num_tasks,
