@@ -26,14 +26,23 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+_KEPT: list = []  # the runs' process groups, never destroyed (see _runs)
+
+
 def _runs(spec: dict) -> None:
     import torch.distributed as dist
 
     from runtime import train
 
-    init, destroy = dist.init_process_group, dist.destroy_process_group
+    init, destroy, new_group = dist.init_process_group, dist.destroy_process_group, dist.new_group
     dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)
     dist.destroy_process_group = lambda *a, **k: None
+    # Every run's groups stay alive until the process leaves through os._exit: a gloo group
+    # destroyed while a daemon thread of an earlier run (a strict-P2P stream, a send reaper) still
+    # sits in it aborts the process ("terminate called without an active exception", no Python
+    # error): what runtime.train's own hard exit avoids for a launched rank.
+    keep: list = []
+    dist.new_group = lambda *a, **k: keep.append(new_group(*a, **k)) or keep[-1]
     try:
         for run in spec["runs"]:
             argv = [str(ROOT / "configs" / "tiny-cpu.yaml"), "--out", run["out"], "--steps", str(run.get("steps", 1)),
@@ -46,7 +55,8 @@ def _runs(spec: dict) -> None:
             if rc:
                 sys.exit(rc)
     finally:
-        dist.init_process_group, dist.destroy_process_group = init, destroy
+        dist.init_process_group, dist.destroy_process_group, dist.new_group = init, destroy, new_group
+        _KEPT.extend(keep)
 
 
 def _crossing(out: Path, timeout_s: float) -> None:

@@ -297,7 +297,7 @@ def _launch(spec: dict, tmp: Path, limit_s: float) -> int:
         kill_group(proc)
     if proc.returncode:
         errors = sorted(str(p) + ": " + p.read_text().strip() for p in tmp.rglob("error_rank*.txt"))
-        pytest.fail(f"worker exited {proc.returncode}: {errors or out[-3000:]}")
+        pytest.fail(f"worker exited {proc.returncode}: {errors}; output: {out[-3000:]}")
     return proc.returncode
 
 
