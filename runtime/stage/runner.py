@@ -164,23 +164,18 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
 
     # -- handlers --------------------------------------------------------------------------------
     def handlers(self) -> dict[Kind, Handler]:
-        table: dict[Kind, Handler] = {}
-        for k in Kind:
-            if k.op in {"attn", "router", "dispatch", "shared", "expert", "combine", "mlp", "embed", "head"}:
-                table[k] = self._model_task
-        table[Kind.SHARED_DX] = self._shared_dx
-        table[Kind.FWD_SEND] = self._send
-        table[Kind.BWD_SEND] = self._send
-        table[Kind.FWD_RECV] = self._recv
-        table[Kind.BWD_RECV] = self._recv
-        table[Kind.GRAD_RS] = self._grad_rs
-        table[Kind.ACT_OFFLOAD] = self._offload
-        table[Kind.ACT_ONLOAD] = self._onload
-        table[Kind.ACT_ROFFLOAD] = self._roffload
-        table[Kind.ACT_RSTORE] = self._rstore
-        table[Kind.ACT_RSERVE] = self._rserve
-        table[Kind.ACT_RONLOAD] = self._ronload
-        table[Kind.OPTIM] = self._optim
+        model_ops = {"attn", "router", "dispatch", "shared", "expert", "combine", "mlp", "embed", "head"}
+        table: dict[Kind, Handler] = {k: self._model_task for k in Kind if k.op in model_ops}
+        table.update({
+            Kind.SHARED_DX: self._shared_dx,
+            Kind.FWD_SEND: self._send, Kind.BWD_SEND: self._send,
+            Kind.FWD_RECV: self._recv, Kind.BWD_RECV: self._recv,
+            Kind.GRAD_RS: self._grad_rs,
+            Kind.ACT_OFFLOAD: self._offload, Kind.ACT_ONLOAD: self._onload,
+            Kind.ACT_ROFFLOAD: self._roffload, Kind.ACT_RSTORE: self._rstore,
+            Kind.ACT_RSERVE: self._rserve, Kind.ACT_RONLOAD: self._ronload,
+            Kind.OPTIM: self._optim,
+        })
         if self.gshards is not None:
             table.update(self.gshards.handlers())
         table = {k: self._tracked(h) for k, h in table.items()}
