@@ -20,7 +20,7 @@ from .simulator import DeadlockError, simulate
 from .tasks import Kind, Task
 
 __all__ = ["BWD_OPS", "GENERATORS", "OPS", "PAIR_TAG", "REGISTRY", "Action", "Pair", "Placement", "Schedule",
-           "ScheduleInfo", "Slot", "UniformResult", "check", "generate", "parse_slot", "simulate_uniform",
+           "Slot", "UniformResult", "check", "generate", "parse_slot", "simulate_uniform",
            "slot_actions", "validate"]
 
 
@@ -270,7 +270,6 @@ def simulate_uniform(schedule: Schedule, F: float = 1.0, B: float = 2.0, W: floa
 GENERATORS = {name: p.generator for name, p in TABLE.items()}
 REGISTRY: dict[str, Pipeline] = TABLE
 """Every schedule's entry (:mod:`k3sched.pipelines`, [Note: schedule registry])."""
-ScheduleInfo = Pipeline
 
 
 def generate(name: str, pp: int, vpp: int, microbatches: int, *, warmup_extra: int = 0) -> Schedule:
