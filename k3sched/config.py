@@ -302,10 +302,10 @@ class ScheduleConfig(_Section):
     def _storage_ops(cls, rules: dict[str, str]) -> dict[str, str]:
         for pat in rules:
             if "." in pat:
-                raise ValueError(f"{pat!r}: patterns select whole sub-ops (e.g. 'attn', 'expert', 'e*'), whose saved "
+                raise ValueError(f"schedule.storage: {pat!r}: patterns select whole sub-ops (e.g. 'attn', 'expert', 'e*'), whose saved "
                                  f"bytes the planner costs; per-tensor patterns are not modelled")
             if not any(fnmatch.fnmatchcase(op, pat) for op in STORAGE_OPS):
-                raise ValueError(f"{pat!r} matches no sub-op; allowed: globs over {', '.join(STORAGE_OPS)}")
+                raise ValueError(f"schedule.storage: {pat!r} matches no sub-op; allowed: globs over {', '.join(STORAGE_OPS)}")
         return rules
 
     def storage_policy(self, op: str) -> str:
@@ -480,6 +480,8 @@ def allowed_values(section: str, name: str) -> str:
         text = "one of " + ", ".join(str(a) for a in get_args(base))
     elif base is str:
         text = "a string"
+    elif get_origin(base) is dict and get_origin(get_args(base)[1]) is Literal:
+        text = "a mapping of names to one of " + ", ".join(str(a) for a in get_args(get_args(base)[1]))
     else:
         text = str(base)
     if optional:
