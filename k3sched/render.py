@@ -43,7 +43,7 @@ def glyph(kind: Kind) -> str:
 def task_json(t: Task) -> dict:
     a, f = t.alloc, t.free
     rel = t.release
-    return {
+    out = {
         "id": t.id, "kind": t.kind.value, "lane": t.lane, "stage": t.stage, "chunk": t.chunk, "mb": t.mb,
         "layer": t.layer, "start_us": round(t.start_us, 3), "end_us": round(t.end_us, 3), "deps": list(t.deps),
         "mem": {"alloc": {"device": a.device, "host": a.host, "peer": a.peer},
@@ -52,6 +52,9 @@ def task_json(t: Task) -> dict:
         "peer_stage": t.peer_stage, "duration_us": round(t.duration_us, 3),
         "release": None if rel is None else {"stage": rel[0], "device": rel[1]},
     }
+    if t.slice is not None:  # only sliced plans carry the field ([Note: task id grammar])
+        out["slice"] = t.slice
+    return out
 
 
 def plan_to_json(plan: "Plan") -> dict:

@@ -6,16 +6,20 @@ range names, recorded traces and validation reports. Grammar (EBNF)::
 
     task_id  = stage "/" scope "/" op "." phase [ ".b" INT ]     (".bN": bucket N of a collective)
     stage    = "s" INT                       PP rank (physical stage)
-    scope    = "mb" INT "/" "L" INT          per micro-batch, per layer  (L: global layer index)
-             | "mb" INT "/" "v" INT          per micro-batch, per virtual chunk (P2P, embed, head)
+    scope    = mb "/" "L" INT                per micro-batch, per layer  (L: global layer index)
+             | mb "/" "v" INT                per micro-batch, per virtual chunk (P2P, embed, head)
              | "v" INT "/" "L" INT           per step, per layer (gradient reduction w/o sharding)
              | "step"                        per step (optimizer)
+    mb       = "mb" INT [ "q" INT ]          micro-batch, and its sequence slice when
+                                             ``parallel.seq_chunks`` > 1 ([Note: sequence slices])
     op       = [a-z_]+                       see OPS
     phase    = "fwd" | "dx" | "dw" | "bwd" | "re" | "send" | "recv" | "offload" | "onload"
              | "roffload" | "ronload" | "rs" | "add" | "run"
 
 Examples: ``s0/mb3/L5/attn.fwd``, ``s1/mb0/L7/expert.dw``, ``s0/mb2/v0/act.send``,
-``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs.b0``, ``s0/step/optim.run``.
+``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs.b0``, ``s0/step/optim.run``, ``s1/mb2q3/L4/attn.fwd``
+(slice 3 of micro-batch 2). An id names a slice only when the plan cuts micro-batches into
+slices; with one slice per micro-batch (the default) ids carry no ``q``.
 ``parse_task_id(format_task_id(...))`` round-trips exactly (tested).
 """
 
@@ -133,14 +137,15 @@ SEND_KINDS = frozenset(SEND_OF.values())
 RECV_KINDS = frozenset(SEND_OF)
 
 _ID_RE = re.compile(
-    r"^s(?P<stage>\d+)/(?:(?:mb(?P<mb>\d+)/)?(?:L(?P<layer>\d+)|v(?P<chunk>\d+))|v(?P<vchunk>\d+)/L(?P<vlayer>\d+)"
+    r"^s(?P<stage>\d+)/(?:(?:mb(?P<mb>\d+)(?:q(?P<slice>\d+))?/)?(?:L(?P<layer>\d+)|v(?P<chunk>\d+))|v(?P<vchunk>\d+)/L(?P<vlayer>\d+)"
     r"|(?P<step>step))/(?P<kind>[a-z_]+\.[a-z]+)(?:\.b(?P<bucket>\d+))?$"
 )
 
 
 @dataclass(frozen=True)
 class TaskKey:
-    """Parsed form of a task id. ``mb``/``layer``/``chunk`` are None where the scope omits them."""
+    """Parsed form of a task id. ``mb``/``layer``/``chunk``/``slice`` are None where the scope omits
+    them."""
 
     stage: int
     kind: Kind
@@ -148,20 +153,25 @@ class TaskKey:
     layer: int | None = None
     chunk: int | None = None
     bucket: int | None = None
+    slice: int | None = None
 
     def __str__(self) -> str:
         return format_task_id(self.stage, self.kind, mb=self.mb, layer=self.layer, chunk=self.chunk,
-                              bucket=self.bucket)
+                              bucket=self.bucket, slice=self.slice)
 
 
 def format_task_id(stage: int, kind: Kind, *, mb: int | None = None, layer: int | None = None,
-                   chunk: int | None = None, bucket: int | None = None) -> str:
+                   chunk: int | None = None, bucket: int | None = None, slice: int | None = None) -> str:
     """Render a task id (see [Note: task id grammar]). ``chunk`` is shown only where the scope
-    has no layer (P2P, embed/head) or has no micro-batch (per-step per-layer tasks)."""
+    has no layer (P2P, embed/head) or has no micro-batch (per-step per-layer tasks); ``slice``
+    (a sequence slice) only with a micro-batch."""
+    if slice is not None and mb is None:
+        raise ValueError(f"task id: a sequence slice needs a micro-batch; got slice={slice} without mb")
+    mbs = f"mb{mb}" if slice is None else f"mb{mb}q{slice}"
     if mb is not None and layer is not None:
-        scope = f"mb{mb}/L{layer}"
+        scope = f"{mbs}/L{layer}"
     elif mb is not None and chunk is not None:
-        scope = f"mb{mb}/v{chunk}"
+        scope = f"{mbs}/v{chunk}"
     elif layer is not None and chunk is not None:
         scope = f"v{chunk}/L{layer}"
     elif mb is None and layer is None and chunk is None:
@@ -192,7 +202,7 @@ def parse_task_id(task_id: str) -> TaskKey:
     if g["mb"] is None:
         raise ValueError(f"task id {task_id!r} lacks its micro-batch ('mbN/')")
     return TaskKey(int(g["stage"]), kind, mb=as_int(g["mb"]), layer=as_int(g["layer"]), chunk=as_int(g["chunk"]),
-                   bucket=bucket)
+                   bucket=bucket, slice=as_int(g["slice"]))
 
 
 @dataclass
@@ -216,10 +226,11 @@ class Task:
 
     ``chunk`` is the virtual chunk (model chunk) index local to the stage; ``vstage`` the global
     virtual stage index (chunk * pp + stage for interleaved placements, see the pipeline
-    schedules). ``deps`` are task ids (possibly on other stages: P2P). ``alloc``/``free`` give
-    the memory effect (``release``: bytes freed on another stage); ``peer_stage`` names the rank
-    holding remotely offloaded bytes; ``buffer``
-    names the activation buffer an offload/onload moves (validation joins on it).
+    schedules). ``slice`` is the micro-batch's sequence slice (None: the whole sequence, the
+    default; [Note: sequence slices]). ``deps`` are task ids (possibly on other stages: P2P).
+    ``alloc``/``free`` give the memory effect (``release``: bytes freed on another stage);
+    ``peer_stage`` names the rank holding remotely offloaded bytes; ``buffer`` names the
+    activation buffer an offload/onload moves (validation joins on it).
     """
 
     id: str
@@ -243,6 +254,7 @@ class Task:
     # filled by the planner / simulator
     start_us: float | None = None
     end_us: float | None = None
+    slice: int | None = None
 
     @property
     def is_wgrad(self) -> bool:

@@ -129,6 +129,8 @@ class PlanTask:
     peer_stage: int | None = None
     start_us: float = 0.0
     end_us: float = 0.0
+    slice: int | None = None
+    """The micro-batch's sequence slice (None: the whole sequence; [Note: task id grammar])."""
 
     @classmethod
     def from_json(cls, t: Mapping, start_deps: tuple[str, ...] = ()) -> PlanTask:
@@ -136,7 +138,7 @@ class PlanTask:
                    mb=t.get("mb"), layer=t.get("layer"), deps=tuple(t.get("deps") or ()), start_deps=start_deps,
                    bucket=parse_task_id(t["id"]).bucket, bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
                    peer_stage=t.get("peer_stage"), start_us=float(t.get("start_us") or 0.0),
-                   end_us=float(t.get("end_us") or 0.0))
+                   end_us=float(t.get("end_us") or 0.0), slice=t.get("slice"))
 
 
 def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:

@@ -93,6 +93,7 @@ class PlanTask(_Strict):
     chunk: Optional[NonNegInt] = None
     mb: Optional[NonNegInt] = None
     layer: Optional[NonNegInt] = None
+    slice: Optional[NonNegInt] = None
     mem: Optional[TaskMem] = None
     bytes: NonNegInt = 0
     buffer: Optional[Id] = None
@@ -331,6 +332,8 @@ def _check_plan_rules(plan: Plan, where: str) -> None:
                     bad(f"{at}.mb", f"must be the micro-batch the id names ({key.mb})", t.mb)
                 if key.layer is not None and t.layer != key.layer:
                     bad(f"{at}.layer", f"must be the layer the id names ({key.layer})", t.layer)
+                if t.slice != key.slice:
+                    bad(f"{at}.slice", f"must be the sequence slice the id names ({key.slice})", t.slice)
                 if t.end_us < t.start_us:
                     bad(f"{at}.end_us", f"must not be before start_us ({t.start_us})", t.end_us)
                 for ref, name in ((t.peer_stage, "peer_stage"), (t.release.stage if t.release else None,
