@@ -157,6 +157,14 @@ class ParallelConfig(_Section):
     redundant_experts: int = _int(0, 65536, default=0)
     """Extra expert slots per EP rank holding replicas of hot experts (EPLB), 0..65536; needs ep >= 2
     ([Note: expert placement] in k3sched/balance.py). Left out of plan.json's config when 0."""
+    seq_chunks: int = _int(1, 4096, default=1)
+    """Sequence slices per micro-batch (Seq1F1B), 1..4096: every micro-batch is cut along the
+    sequence into this many slices, each a pipeline unit of its own ([Note: sequence slices] in
+    k3sched/seqslice.py). Left out of plan.json's config when 1."""
+    seq_split: Literal["even", "compute"] = "even"
+    """Where slice boundaries go: even (equal token counts; seq_chunks must divide model.seq_len) or
+    compute (equal attention + MLP forward cost, causal attention growing with position). Left out
+    of plan.json's config when even."""
 
     @model_serializer(mode="wrap")
     def _drop_defaults(self, handler: Any) -> dict[str, Any]:
@@ -167,6 +175,10 @@ class ParallelConfig(_Section):
             out.pop("order", None)
         if not self.redundant_experts:
             out.pop("redundant_experts", None)
+        if self.seq_chunks == 1:
+            out.pop("seq_chunks", None)
+        if self.seq_split == "even":
+            out.pop("seq_split", None)
         return out
 
     @property
@@ -378,6 +390,11 @@ class Config(_Section):
         if m.layers < chunks:
             raise ValueError(f"parallel.pp: pp*vpp = {chunks} model chunks need at least that many layers; "
                              f"model.layers is {m.layers}")
+        from .seqslice import seq_error
+
+        bad_seq = seq_error(self)
+        if bad_seq:
+            raise ValueError(bad_seq)
         bad = PIPELINE_TABLE[self.schedule.pipeline].config_error(p.pp, p.vpp, p.microbatches)
         if bad:  # the schedule's own rules ([Note: schedule registry] in k3sched/pipelines.py)
             raise ValueError(bad)
