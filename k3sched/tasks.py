@@ -9,16 +9,21 @@ range names, recorded traces and validation reports. Grammar (EBNF)::
     scope    = mb "/" "L" INT                per micro-batch, per layer  (L: global layer index)
              | mb "/" "v" INT                per micro-batch, per virtual chunk (P2P, embed, head)
              | "v" INT "/" "L" INT           per step, per layer (gradient reduction w/o sharding)
-             | "step"                        per step (optimizer)
+             | "step" [ INT ]                per step (optimizer); "stepN" (N >= 1): step N of a
+                                             plan that spans several steps ([Note: pipedream-2bw])
     mb       = "mb" INT [ "q" INT ]          micro-batch, and its sequence slice when
                                              ``parallel.seq_chunks`` > 1 ([Note: sequence slices])
     op       = [a-z_]+                       see OPS
     phase    = "fwd" | "dx" | "dw" | "bwd" | "re" | "send" | "recv" | "offload" | "onload"
-             | "roffload" | "ronload" | "rs" | "add" | "run"
+             | "roffload" | "ronload" | "rs" | "add" | "run" | "mirror"
 
-Examples: ``s0/mb3/L5/attn.fwd``, ``s1/mb0/L7/expert.dw``, ``s0/mb2/v0/act.send``,
+Examples: ``s0/mb3/L5/attn.fwd``, ``s1/mb0/L7/expert.dw``, ``s0/mb2/v0/act.send``, ``s0/step/grad.mirror``
+(chimera / dualpipe: the all-reduce with the rank holding the other model copy of the same stages,
+[Note: replica gradient reduction] in runtime/stage/gradients.py),
 ``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs.b0``, ``s0/step/optim.run``, ``s1/mb2q3/L4/attn.fwd``
-(slice 3 of micro-batch 2). An id names a slice only when the plan cuts micro-batches into
+(slice 3 of micro-batch 2), ``s0/step1/optim.run`` (the optimizer of the second step of a
+``pipedream-2bw`` plan, whose second step's micro-batches are numbered M..2M-1; [Note:
+pipedream-2bw] in k3sched/schedule_generators.py). An id names a slice only when the plan cuts micro-batches into
 slices; with one slice per micro-batch (the default) ids carry no ``q``.
 ``parse_task_id(format_task_id(...))`` round-trips exactly (tested).
 """
@@ -79,6 +84,7 @@ class Kind(str, Enum):
     ACT_RSERVE = "act.rserve"  # peer: send it back when the owner prefetches it
     # gradients
     GRAD_RS = "grad.rs"  # DP reduce-scatter of a layer's gradient
+    GRAD_MIRROR = "grad.mirror"  # chimera / dualpipe: all-reduce with the rank holding the other model copy
     GSHARD_ONLOAD = "gshard.onload"
     GSHARD_ADD = "gshard.add"
     GSHARD_OFFLOAD = "gshard.offload"
@@ -105,6 +111,7 @@ LANE_OF: dict[Kind, str] = {
     Kind.BWD_SEND: "collective",
     Kind.BWD_RECV: "collective",
     Kind.GRAD_RS: "collective",
+    Kind.GRAD_MIRROR: "collective",
     Kind.ACT_OFFLOAD: "offload_local",
     Kind.ACT_ONLOAD: "offload_local",
     Kind.GSHARD_ONLOAD: "offload_local",
@@ -138,14 +145,14 @@ RECV_KINDS = frozenset(SEND_OF)
 
 _ID_RE = re.compile(
     r"^s(?P<stage>\d+)/(?:(?:mb(?P<mb>\d+)(?:q(?P<slice>\d+))?/)?(?:L(?P<layer>\d+)|v(?P<chunk>\d+))|v(?P<vchunk>\d+)/L(?P<vlayer>\d+)"
-    r"|(?P<step>step))/(?P<kind>[a-z_]+\.[a-z]+)(?:\.b(?P<bucket>\d+))?$"
+    r"|(?P<step>step)(?P<stepn>[1-9]\d*)?)/(?P<kind>[a-z_]+\.[a-z]+)(?:\.b(?P<bucket>\d+))?$"
 )
 
 
 @dataclass(frozen=True)
 class TaskKey:
     """Parsed form of a task id. ``mb``/``layer``/``chunk``/``slice`` are None where the scope omits
-    them."""
+    them; ``step`` is N of a ``stepN`` scope (None: ``step``, a plan's first or only step)."""
 
     stage: int
     kind: Kind
@@ -154,17 +161,23 @@ class TaskKey:
     chunk: int | None = None
     bucket: int | None = None
     slice: int | None = None
+    step: int | None = None
 
     def __str__(self) -> str:
         return format_task_id(self.stage, self.kind, mb=self.mb, layer=self.layer, chunk=self.chunk,
-                              bucket=self.bucket, slice=self.slice)
+                              bucket=self.bucket, slice=self.slice, step=self.step)
 
 
 def format_task_id(stage: int, kind: Kind, *, mb: int | None = None, layer: int | None = None,
-                   chunk: int | None = None, bucket: int | None = None, slice: int | None = None) -> str:
+                   chunk: int | None = None, bucket: int | None = None, slice: int | None = None,
+                   step: int | None = None) -> str:
     """Render a task id (see [Note: task id grammar]). ``chunk`` is shown only where the scope
     has no layer (P2P, embed/head) or has no micro-batch (per-step per-layer tasks); ``slice``
-    (a sequence slice) only with a micro-batch."""
+    (a sequence slice) only with a micro-batch; ``step`` (N >= 1: the plan's step N) only in the
+    per-step scope."""
+    if step is not None and (step < 1 or mb is not None or layer is not None or chunk is not None):
+        raise ValueError(f"task id: step must be >= 1 and only names a per-step task; got step={step} mb={mb} "
+                         f"layer={layer} chunk={chunk}")
     if slice is not None and mb is None:
         raise ValueError(f"task id: a sequence slice needs a micro-batch; got slice={slice} without mb")
     mbs = f"mb{mb}" if slice is None else f"mb{mb}q{slice}"
@@ -175,7 +188,7 @@ def format_task_id(stage: int, kind: Kind, *, mb: int | None = None, layer: int 
     elif layer is not None and chunk is not None:
         scope = f"v{chunk}/L{layer}"
     elif mb is None and layer is None and chunk is None:
-        scope = "step"
+        scope = "step" if step is None else f"step{step}"
     else:
         raise ValueError(f"task id needs (mb, layer), (mb, chunk), (chunk, layer) or none; got mb={mb} "
                          f"layer={layer} chunk={chunk}")
@@ -196,7 +209,7 @@ def parse_task_id(task_id: str) -> TaskKey:
     as_int = lambda v: None if v is None else int(v)  # noqa: E731
     bucket = as_int(g["bucket"])
     if g["step"]:
-        return TaskKey(int(g["stage"]), kind, bucket=bucket)
+        return TaskKey(int(g["stage"]), kind, bucket=bucket, step=as_int(g["stepn"]))
     if g["vlayer"] is not None:
         return TaskKey(int(g["stage"]), kind, layer=int(g["vlayer"]), chunk=int(g["vchunk"]), bucket=bucket)
     if g["mb"] is None:
