@@ -7,13 +7,13 @@ Entry points: :class:`MoEModelArgs`, :class:`MoEModel` (``build``, ``new_microba
 """
 
 from moe.config import MoEModelArgs
-from moe.context import LayerCtx, MicroBatch, RoutingPlan
+from moe.context import LayerCtx, MicroBatch, RoutingPlan, SequenceState
 from moe.model import (INTRA_LAYER_DEPS, LAYER_KINDS, MICROBATCH_KINDS, Block, MicroBatchTasks, MoEModel,
-                       init_full_state, microbatch_tasks, run_microbatch_in_order, run_tasks)
+                       init_full_state, microbatch_tasks, run_microbatch_in_order, run_slices_in_order, run_tasks)
 from moe.split import SavedStore, SubOpCtx, WGradSlot
 
 __all__ = [
     "INTRA_LAYER_DEPS", "LAYER_KINDS", "MICROBATCH_KINDS", "Block", "LayerCtx", "MicroBatch", "MicroBatchTasks",
-    "MoEModel", "MoEModelArgs", "RoutingPlan", "SavedStore", "SubOpCtx", "WGradSlot", "init_full_state",
-    "microbatch_tasks", "run_microbatch_in_order", "run_tasks",
+    "MoEModel", "MoEModelArgs", "RoutingPlan", "SavedStore", "SequenceState", "SubOpCtx", "WGradSlot",
+    "init_full_state", "microbatch_tasks", "run_microbatch_in_order", "run_slices_in_order", "run_tasks",
 ]

@@ -10,7 +10,7 @@ Shape legend (torchtitan style) used across the package:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -224,6 +224,95 @@ class LayerCtx:
 
 
 @dataclass(eq=False)
+class SequenceState:
+    """What the slices of one micro-batch share ([Note: sequence slices in the model] in
+    moe/model.py): per layer, the keys / values of the slices forwarded so far, the key / value
+    gradients later slices added for earlier ones, and the routing counts and score sums of the
+    sequence-wise aux loss. Every access is made by a compute-lane task (attn.*, router.*).
+
+    ``bounds[j]`` is slice j's token range [start, end) of each sequence; ``batch`` the sequences
+    B of the micro-batch. Tensors: ``kv[l][j]`` = (K, V) ``[B, H, n_j, hd]`` of slice j of layer
+    l; ``grad_kv[(l, j)]`` = [dK, dV, contributions]; ``counts_BE[l]`` / ``psum_BE[l]`` the routed
+    slot counts and softmax score sums over the slices routed so far (``routed[l]`` of them)."""
+
+    bounds: tuple[tuple[int, int], ...]
+    batch: int
+    kv: dict[int, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    grad_kv: dict[tuple[int, int], list] = field(default_factory=dict)
+    counts_BE: dict[int, Tensor] = field(default_factory=dict)
+    psum_BE: dict[int, Tensor] = field(default_factory=dict)
+    routed: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def slices(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def seq_len(self) -> int:
+        return self.bounds[-1][1]
+
+    def prefix(self, layer: int, j: int) -> list[tuple[Tensor, Tensor]]:
+        """K / V of slices 0 .. j-1 of ``layer`` (for slice j's attention)."""
+        have = self.kv.get(layer, [])
+        if len(have) != j:
+            raise RuntimeError(f"attn.fwd of slice {j} of layer {layer}: needs the keys / values of slices "
+                               f"0..{j - 1}, has {len(have)} (slices run their attention forward in order)")
+        return have
+
+    def keep_kv(self, layer: int, j: int, kv: tuple[Tensor, Tensor] | None) -> None:
+        """Keep slice j's K / V for later slices; the last slice (``kv`` None) drops the layer's
+        prefix (its own graph saved the concatenation it attended to)."""
+        if j == self.slices - 1:
+            self.kv.pop(layer, None)
+        else:
+            assert kv is not None
+            self.kv.setdefault(layer, []).append(kv)
+
+    def add_grad_kv(self, layer: int, i: int, gk: Tensor, gv: Tensor) -> None:
+        """A later slice's gradient of slice i's K / V."""
+        acc = self.grad_kv.get((layer, i))
+        if acc is None:
+            self.grad_kv[(layer, i)] = [gk, gv, 1]
+        else:
+            acc[0], acc[1], acc[2] = acc[0] + gk, acc[1] + gv, acc[2] + 1
+
+    def take_grad_kv(self, layer: int, j: int) -> tuple[Tensor | None, Tensor | None]:
+        """The gradient of slice j's K / V summed over every later slice (None, None for the last
+        slice); raises if a later slice's attn.dx has not run (backward runs in reverse slice order)."""
+        want = self.slices - 1 - j
+        acc = self.grad_kv.pop((layer, j), None)
+        got = 0 if acc is None else acc[2]
+        if got != want:
+            raise RuntimeError(f"attn.dx of slice {j} of layer {layer}: needs the key / value gradients of the "
+                               f"{want} later slice(s), has {got} (backward runs in reverse slice order)")
+        return (None, None) if acc is None else (acc[0], acc[1])
+
+    def add_routing(self, layer: int, counts_BE: Tensor, psum_BE: Tensor) -> bool:
+        """Add a slice's routed slot counts and score sums; True when every slice has been routed."""
+        if layer in self.counts_BE:
+            self.counts_BE[layer] = self.counts_BE[layer] + counts_BE
+            self.psum_BE[layer] = self.psum_BE[layer] + psum_BE
+        else:
+            self.counts_BE[layer], self.psum_BE[layer] = counts_BE, psum_BE
+        self.routed[layer] = self.routed.get(layer, 0) + 1
+        return self.routed[layer] == self.slices
+
+    def full_counts(self, layer: int, j: int) -> Tensor:
+        """The whole sequence's routed slot counts of ``layer`` (router.bwd of slice j)."""
+        if self.routed.get(layer, 0) != self.slices:
+            raise RuntimeError(f"router.bwd of slice {j} of layer {layer}: the aux loss needs every slice's "
+                               f"routing, {self.routed.get(layer, 0)} of {self.slices} routed (every slice's "
+                               "forward precedes any slice's backward of a micro-batch)")
+        return self.counts_BE[layer]
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors held here (kept K / V, pending K / V gradients, routing sums)."""
+        out = [t for kvs in self.kv.values() for kv in kvs for t in kv]
+        out += [t for acc in self.grad_kv.values() for t in acc[:2]]
+        return out + list(self.counts_BE.values()) + list(self.psum_BE.values())
+
+
+@dataclass(eq=False)
 class MicroBatch:
     """All task state of one micro-batch on this rank.
 
@@ -244,15 +333,32 @@ class MicroBatch:
     ce: Tensor | None = None
     """Cross-entropy (detached), set by head.fwd."""
     loss: Tensor | None = None
-    """``ce + aux_loss_coef * sum of the layers' aux losses`` (detached, unscaled), set by head.fwd."""
+    """``ce + aux_loss_coef * sum of the layers' aux losses`` (detached, unscaled), set by head.fwd
+    (None for a slice: the aux losses are whole-sequence values, see :func:`moe.model.sliced_loss`)."""
+    slice: int | None = None
+    """This state's sequence slice (None: the whole sequence); ``tokens_BS`` are its tokens."""
+    seq: SequenceState | None = None
+    """What the slices of the micro-batch share (None unless sliced)."""
 
     def __post_init__(self) -> None:
-        self.acts = _HandedList(self.acts, f"mb{self.index}.acts")
-        self.grads = _HandedList(self.grads, f"mb{self.index}.grads")
+        self.acts = _HandedList(self.acts, f"{self.label}.acts")
+        self.grads = _HandedList(self.grads, f"{self.label}.grads")
+
+    @property
+    def label(self) -> str:
+        """``mb<m>``, or ``mb<m>q<j>`` for slice j (as task ids name it)."""
+        return f"mb{self.index}" if self.slice is None else f"mb{self.index}q{self.slice}"
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """This state's token range [start, end) of each sequence."""
+        if self.seq is None:
+            return 0, self.tokens_BS.shape[1]
+        return self.seq.bounds[self.slice]
 
     def __setattr__(self, name: str, value) -> None:
         if name in ("embed", "head") and value is not None:
-            value.store.where = f"mb{self.index}"
+            value.store.where = self.label
         object.__setattr__(self, name, value)
 
     def all_saved_tensors(self) -> dict[str, Tensor]:

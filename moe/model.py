@@ -18,6 +18,31 @@ Same ops on the same operands: bitwise identical to storing (tests/test_quant_re
 a dX task leaves for the dW task is unchanged; what the forward keeps shrinks (tiny-cpu, bytes per
 micro-batch: attn 1.19 -> 0.80 MB, mlp 2.23 -> 1.18, shared 1.18 -> 0.66, expert 2.38 -> 1.33).
 
+[Note: sequence slices in the model]
+A micro-batch cut into slices ([Note: sequence slices] in k3sched/seqslice.py) runs as one task
+state per slice (:meth:`MoEModel.new_slices`: slice j holds the tokens [s_j, e_j) of every
+sequence) sharing a :class:`moe.context.SequenceState`. Every result equals the unsliced model's:
+  attention  slice j's queries attend to the keys / values of tokens [0, e_j): the earlier
+             slices' (kept per layer in the state; they enter slice j's attn sub-op through
+             ``tap``, so its attn.dx yields their gradients) concatenated with its own, under the
+             causal mask offset by s_j (slice 0: plain ``is_causal``). Slice j's K / V are outputs
+             of its attn sub-op; attn.dx of slice j adds the earlier slices' K / V gradients into the
+             state, and attn.dx of slice i passes the sum over the later slices as the gradient of
+             its K / V outputs, so backward runs in reverse slice order (checked: the state counts
+             the contributions). The last slice's attn.fwd drops the layer's kept K / V.
+  loss       the head's cross-entropy of a slice is the sum over its tokens / (B * S), so the
+             slices' values add up to the unsliced mean.
+  aux loss   ``mean_b sum_e f_be P_be`` needs every slice's routing for ``f`` (counts), while
+             ``P`` (mean scores) is linear in the slices: each slice's router outputs its score
+             sums ``psum_BE``; its router.bwd applies ``f_BE / (B S)`` (:func:`sliced_aux_grad`)
+             with the whole sequence's counts, complete because every slice's forward precedes any
+             slice's backward of the micro-batch (checked). The aux value is set (``LayerCtx.aux``)
+             on the slice whose router.fwd completes the layer's counts.
+  the rest   per token (norms, projections, router, experts, dispatch / combine per slice, head,
+             embedding): unchanged; weight gradients accumulate over the slices' dW tasks.
+Equality within rounding (fp32 1e-5): tests/test_seq_runtime.py. An unsliced micro-batch (slice
+None) runs exactly the code it ran before.
+
 Loss: ``ce + aux_loss_coef * sum_layers aux`` with a sequence-wise aux loss (DeepSeek-V3 style:
 per sequence ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the sequence's K*S slots routed
 to e and ``P_e`` its mean score, averaged over sequences). It is linear in the sequences, so
@@ -37,11 +62,11 @@ from torch import Tensor, nn
 from k3sched.tasks import Kind
 from moe.comm import ProcessGroup, all_to_all_uneven, exchange_counts, group_size
 from moe.config import MoEModelArgs
-from moe.context import LayerCtx, MicroBatch, RoutingPlan, zero_scalar_like
+from moe.context import LayerCtx, MicroBatch, RoutingPlan, SequenceState, zero_scalar_like
 from moe.split import SubOpCtx, swiglu
 from moe.taskgraph import LAYER_KINDS, MICROBATCH_KINDS
 from moe.taskgraph import (INTRA_LAYER_DEPS, MicroBatchTasks, microbatch_tasks,  # noqa: F401 - moe.model's API
-                           run_microbatch_in_order, run_tasks)
+                           run_microbatch_in_order, run_slices_in_order, run_tasks)
 
 EXPERT_PARAMS: frozenset[str] = frozenset({"w1", "w3", "w2"})
 """Block parameter names sharded over EP ranks (dim 0 = expert)."""
@@ -82,6 +107,26 @@ def sequence_aux_loss(scores_TE: Tensor, topk_idx_TK: Tensor, batch: int) -> Ten
     f_BE = counts_BE * (E / (S * K))
     p_BE = scores_TE.view(batch, S, E).mean(1)
     return (f_BE * p_BE).sum(-1).mean()
+
+
+def sliced_aux_value(counts_BE: Tensor, psum_BE: Tensor, seq_len: int, top_k: int) -> Tensor:
+    """:func:`sequence_aux_loss` from the whole sequences' routed slot counts and score sums
+    (summed over the slices of a micro-batch)."""
+    E = counts_BE.shape[1]
+    return ((counts_BE * (E / (seq_len * top_k))) * (psum_BE / seq_len)).sum(-1).mean()
+
+
+def sliced_aux_grad(counts_BE: Tensor, seq_len: int, top_k: int, aux_grad: float) -> Tensor:
+    """Gradient of ``aux_grad * aux`` with respect to one slice's score sums ``psum_BE``: the aux
+    loss is ``mean_b sum_e f_be P_be`` with ``P_be = psum_be (summed over slices) / S``, linear in
+    every slice's sums, so this is ``aux_grad * f_BE / (B S)`` with the whole sequence's ``f``."""
+    B, E = counts_BE.shape
+    return counts_BE * (E / (seq_len * top_k)) * (aux_grad / (B * seq_len))
+
+
+def _offset_causal_mask(start: int, end: int, device: torch.device) -> Tensor:
+    """``[end - start, end]`` bool mask: query ``start + i`` attends to keys ``0 .. start + i``."""
+    return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
 
 
 def skew_bias(experts: int, skew: float, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
@@ -237,8 +282,11 @@ class Block(nn.Module):
                              f"sharded for EP size {self.ep_size}")
 
     # -- forward ---------------------------------------------------------------------------------
-    def attn_fwd(self, lc: LayerCtx, x_BSD: Tensor) -> None:
-        """attn.fwd: attention sub-layer plus the FFN pre-norm; sets ``h_BSD`` and ``xn_TD``."""
+    def attn_fwd(self, lc: LayerCtx, x_BSD: Tensor, seq: SequenceState | None = None, j: int | None = None
+                 ) -> None:
+        """attn.fwd: attention sub-layer plus the FFN pre-norm; sets ``h_BSD`` and ``xn_TD``. For
+        slice ``j`` of a sliced micro-batch (``seq``), ``S`` is the slice's length and the queries
+        attend over the earlier slices' keys / values too ([Note: sequence slices in the model])."""
         a = self.args
         B, S, D = x_BSD.shape
         c = lc.attn = SubOpCtx("attn")
@@ -247,14 +295,33 @@ class Block(nn.Module):
             n, n_recipe = norm_scale(c, "attn_norm", x, self.attn_norm, a.rms_eps, a.recompute)
             qkv = c.linear("wqkv", n, self.wqkv, recompute=n_recipe)
             q, k, v = qkv.view(B, S, 3, a.heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-            o_BSD = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
+            if seq is None or j == 0:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, *self._kv_prefix(c, seq, j, k, v),
+                                                   attn_mask=_offset_causal_mask(*seq.bounds[j], q.device))
+            o_BSD = o.transpose(1, 2).reshape(B, S, D)
+            if seq is not None:  # later slices attend to this slice's K / V
+                seq.keep_kv(self.layer, j, (c.output("k", k), c.output("v", v)) if j < seq.slices - 1 else None)
             h = x + c.linear("wo", o_BSD, self.wo)
             xn, _ = norm_scale(c, "ffn_norm", h, self.ffn_norm, a.rms_eps, a.recompute)
             lc.h_BSD = c.output("h", h)
             lc.xn_TD = c.output("xn", xn.reshape(B * S, D))
 
-    def router_fwd(self, lc: LayerCtx, batch: int) -> None:
-        """router.fwd: top-k routing of ``xn_TD``; sets ``topk_idx_TK``, ``topk_w_TK``, ``aux``."""
+    def _kv_prefix(self, c: SubOpCtx, seq: SequenceState, j: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of tokens [0, end of slice j): the earlier slices' (tapped, so slice j's
+        attn.dx yields their gradients) and this slice's, concatenated along the sequence."""
+        ks, vs = [], []
+        for i, (ki, vi) in enumerate(seq.prefix(self.layer, j)):
+            ks.append(c.tap(f"k{i}", ki))
+            vs.append(c.tap(f"v{i}", vi))
+        return torch.cat([*ks, k], dim=2), torch.cat([*vs, v], dim=2)
+
+    def router_fwd(self, lc: LayerCtx, batch: int, seq: SequenceState | None = None, j: int | None = None
+                   ) -> None:
+        """router.fwd: top-k routing of ``xn_TD``; sets ``topk_idx_TK``, ``topk_w_TK``, ``aux``
+        (for a slice: the slice's score sums are an output, the aux value is set on the slice that
+        completes the sequence's routing; [Note: sequence slices in the model])."""
         c = lc.router = SubOpCtx("router")
         with c.recording():
             xn = c.tap("xn", lc.xn_TD)
@@ -264,10 +331,17 @@ class Block(nn.Module):
                                                   logits_TE.device)
             scores_TE = logits_TE.softmax(-1)
             idx, w = route(scores_TE, self.expert_bias, self.args.top_k, self.args.normalize_topk)
-            aux = sequence_aux_loss(scores_TE, idx, batch)
             lc.topk_idx_TK = idx
             lc.topk_w_TK = c.output("w", w)
-            lc.aux = c.output("aux", aux)
+            if seq is None:
+                lc.aux = c.output("aux", sequence_aux_loss(scores_TE, idx, batch))
+            else:
+                E = scores_TE.shape[1]
+                psum_BE = c.output("psum", scores_TE.view(batch, -1, E).sum(1))
+                counts_BE = F.one_hot(idx, E).sum(1).view(batch, -1, E).sum(1).to(psum_BE.dtype)
+                if seq.add_routing(self.layer, counts_BE, psum_BE):
+                    lc.aux = sliced_aux_value(seq.counts_BE[self.layer], seq.psum_BE[self.layer], seq.seq_len,
+                                              idx.shape[1])
 
     def dispatch_fwd(self, lc: LayerCtx, group: ProcessGroup | None) -> None:
         """dispatch.fwd: sort slots by expert, exchange counts, all-to-all rows; sets ``recv_ND``."""
@@ -408,11 +482,15 @@ class Block(nn.Module):
         lc.add_grad_xn(lc.shared.backward_dx({"out": lc.grad_shared_TD})["xn"])
         lc.grad_shared_TD = None
 
-    def router_bwd(self, lc: LayerCtx, aux_grad: float) -> None:
-        """router.bwd: router dX and dW together (from the weights' grads and the aux loss)."""
+    def router_bwd(self, lc: LayerCtx, aux_grad: float, seq: SequenceState | None = None, j: int | None = None
+                   ) -> None:
+        """router.bwd: router dX and dW together (from the weights' grads and the aux loss; for a
+        slice, the aux gradient of its score sums uses the whole sequence's counts)."""
         grads = {"w": lc.grad_topk_w_TK}
-        if aux_grad:
+        if aux_grad and seq is None:
             grads["aux"] = zero_scalar_like(lc.aux, aux_grad)
+        elif aux_grad:
+            grads["psum"] = sliced_aux_grad(seq.full_counts(self.layer, j), seq.seq_len, self.args.top_k, aux_grad)
         g = lc.router.backward_dx(grads)
         lc.router.apply_wgrad()
         lc.grad_topk_w_TK = None
@@ -424,10 +502,16 @@ class Block(nn.Module):
         lc.grad_h_BSD = g["h"]
         lc.add_grad_xn(g["xn"])
 
-    def attn_dx(self, lc: LayerCtx) -> Tensor:
-        """attn.dx: grad of the layer input from the grads of ``h`` and ``xn``."""
-        g = lc.attn.backward_dx({"h": lc.grad_h_BSD, "xn": lc.grad_xn_TD})
+    def attn_dx(self, lc: LayerCtx, seq: SequenceState | None = None, j: int | None = None) -> Tensor:
+        """attn.dx: grad of the layer input from the grads of ``h`` and ``xn`` (for slice j, also of
+        its K / V from the later slices; it adds the gradients of the earlier slices' K / V)."""
+        grads = {"h": lc.grad_h_BSD, "xn": lc.grad_xn_TD}
+        if seq is not None:
+            grads["k"], grads["v"] = seq.take_grad_kv(self.layer, j)
+        g = lc.attn.backward_dx(grads)
         lc.clear_backward_boundaries()
+        for i in range(j or 0):
+            seq.add_grad_kv(self.layer, i, g[f"k{i}"], g[f"v{i}"])
         return g["x"]
 
     # -- plain autograd reference ---------------------------------------------------------------
@@ -532,6 +616,34 @@ class MoEModel(nn.Module):
                           layers=[LayerCtx(i, self.args.is_moe_layer(i)) for i in range(n)],
                           acts=[None] * (n + 1), grads=[None] * (n + 1))
 
+    def new_slices(self, tokens_BS: Tensor, targets_BS: Tensor, bounds: list[tuple[int, int]], *, index: int = 0,
+                   loss_scale: float = 1.0) -> list[MicroBatch]:
+        """Task states of the slices ``bounds`` ([start, end) along the sequence, contiguous from 0
+        to the sequence's length) of one micro-batch, sharing one :class:`SequenceState`
+        ([Note: sequence slices in the model])."""
+        B, S = tokens_BS.shape
+        edges = [b for se in bounds for b in se]
+        if not bounds or edges[0] != 0 or edges[-1] != S or any(
+                a >= b for a, b in bounds) or any(e != s for e, s in zip(edges[1:-1:2], edges[2::2])):
+            raise ValueError(f"slice bounds {list(bounds)} do not cut [0, {S}) into contiguous non-empty slices")
+        seq = SequenceState(tuple((int(a), int(b)) for a, b in bounds), B)
+        out = []
+        for j, (a, b) in enumerate(seq.bounds):
+            mb = self.new_microbatch(tokens_BS[:, a:b], targets_BS[:, a:b], index=index, loss_scale=loss_scale)
+            mb.slice, mb.seq = j, seq
+            out.append(mb)
+        return out
+
+    def sliced_loss(self, slices: list[MicroBatch]) -> Tensor:
+        """The loss of a micro-batch run as ``slices`` (detached): the slices' cross-entropy shares
+        plus ``aux_loss_coef`` times the layers' aux values (each on the slice that completed its
+        layer's routing); the unsliced ``MicroBatch.loss``. Needs the head and every slice's forward."""
+        if any(mb.ce is None for mb in slices):
+            raise RuntimeError("sliced_loss: a slice's head.fwd has not run")
+        aux = [lc.aux for mb in slices for lc in mb.layers if lc.aux is not None]
+        ce = sum(mb.ce for mb in slices)
+        return ce + self.args.aux_loss_coef * sum(aux) if aux else ce
+
     def run(self, kind: Kind, mb: MicroBatch, layer: int | None = None,
             ep_group: ProcessGroup | None = None) -> None:
         """Run task ``kind`` of micro-batch ``mb`` (and ``layer`` for per-layer kinds).
@@ -572,11 +684,17 @@ class MoEModel(nn.Module):
             x = c.tap("x", mb.acts[-1])
             n, n_recipe = norm_scale(c, "final_norm", x, self.final_norm, a.rms_eps, a.recompute)
             logits = c.linear("head", n, self.head, recompute=n_recipe)
-            ce = F.cross_entropy(logits.to(router_dtype(logits.dtype)).reshape(-1, a.vocab), mb.targets_BS.reshape(-1))
+            logits_ND = logits.to(router_dtype(logits.dtype)).reshape(-1, a.vocab)
+            if mb.seq is None:
+                ce = F.cross_entropy(logits_ND, mb.targets_BS.reshape(-1))
+            else:  # this slice's share of the micro-batch's mean: sum over its tokens / all tokens
+                ce = F.cross_entropy(logits_ND, mb.targets_BS.reshape(-1), reduction="sum") / (
+                    mb.seq.batch * mb.seq.seq_len)
             mb.ce = c.output("loss", ce)
         mb.acts[-1] = None
-        aux = [lc.aux for lc in mb.layers if lc.aux is not None]
-        mb.loss = mb.ce + a.aux_loss_coef * sum(aux) if aux else mb.ce
+        if mb.seq is None:
+            aux = [lc.aux for lc in mb.layers if lc.aux is not None]
+            mb.loss = mb.ce + a.aux_loss_coef * sum(aux) if aux else mb.ce
 
     def _run_head_dx(self, mb: MicroBatch, layer: None, group: ProcessGroup | None) -> None:
         mb.grads[-1] = mb.head.backward_dx({"loss": zero_scalar_like(mb.ce, mb.loss_scale)})["x"]
@@ -585,11 +703,11 @@ class MoEModel(nn.Module):
         mb.head.apply_wgrad()
 
     def _run_attn_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
-        self.layers[layer].attn_fwd(mb.layers[layer], mb.acts[layer])
+        self.layers[layer].attn_fwd(mb.layers[layer], mb.acts[layer], mb.seq, mb.slice)
         mb.acts[layer] = None
 
     def _run_router_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
-        self._block(layer, True).router_fwd(mb.layers[layer], mb.tokens_BS.shape[0])
+        self._block(layer, True).router_fwd(mb.layers[layer], mb.tokens_BS.shape[0], mb.seq, mb.slice)
 
     def _run_dispatch_fwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
         self._block(layer, True).dispatch_fwd(mb.layers[layer], group)
@@ -623,14 +741,15 @@ class MoEModel(nn.Module):
         self._block(layer, True).shared_dx(mb.layers[layer])
 
     def _run_router_bwd(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
-        self._block(layer, True).router_bwd(mb.layers[layer], self.args.aux_loss_coef * mb.loss_scale)
+        self._block(layer, True).router_bwd(mb.layers[layer], self.args.aux_loss_coef * mb.loss_scale, mb.seq,
+                                            mb.slice)
 
     def _run_mlp_dx(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
         self._block(layer, False).mlp_dx(mb.layers[layer], mb.grads[layer + 1])
         mb.grads[layer + 1] = None
 
     def _run_attn_dx(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
-        mb.grads[layer] = self.layers[layer].attn_dx(mb.layers[layer])
+        mb.grads[layer] = self.layers[layer].attn_dx(mb.layers[layer], mb.seq, mb.slice)
 
     def _run_attn_dw(self, mb: MicroBatch, layer: int, group: ProcessGroup | None) -> None:
         mb.layers[layer].attn.apply_wgrad()

@@ -117,3 +117,17 @@ def run_microbatch_in_order(model: MoEModel, mb: MicroBatch, ep_group: ProcessGr
     run_tasks(model, mb, tasks.wgrad, ep_group)
     assert mb.loss is not None
     return mb.loss
+
+
+def run_slices_in_order(model: MoEModel, slices: list[MicroBatch], ep_group: ProcessGroup | None = None) -> Tensor:
+    """Run every task of a micro-batch cut into ``slices`` (:meth:`MoEModel.new_slices`): the
+    slices' forwards in slice order, their dX in reverse slice order, then every dW; return the
+    micro-batch's loss ([Note: sequence slices in the model] in moe/model.py)."""
+    tasks = microbatch_tasks(model.args)
+    for mb in slices:
+        run_tasks(model, mb, tasks.forward, ep_group)
+    for mb in reversed(slices):
+        run_tasks(model, mb, tasks.backward_dx, ep_group)
+    for mb in slices:
+        run_tasks(model, mb, tasks.wgrad, ep_group)
+    return model.sliced_loss(slices)
