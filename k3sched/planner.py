@@ -34,9 +34,10 @@ import numpy as np
 from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
-from .graph import OffloadChoice, StepGraph, build_step
+from .graph import OffloadChoice, StepGraph, build_step, set_task_id
 from .listsched import _list_schedule, _prepare, _Prepared
 from .pipelines import TABLE
+from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
     _device_memory, _device_peak_per_stage, compute_metrics, lower_bound_us, path_bounds)
 from .simulator import MemoryTimeline
@@ -75,6 +76,10 @@ def backbone(cfg: Config) -> "schedules.Schedule":
             raise ValueError(f"parallel.vpp: {name} splits each of its two model copies into pp stages and "
                              f"places one stage of each copy per rank; set vpp 1, got {p.vpp}")
         return schedules.generate(name, p.pp, 2, p.microbatches)
+    if p.seq_chunks > 1:  # Seq1F1B over M*S slice units ([Note: sequence slices] in k3sched/seqslice.py)
+        base = schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches * p.seq_chunks,
+                                  warmup_extra=extra)
+        return schedules.check(seq1f1b(base, p.seq_chunks))
     return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
 
 
@@ -104,12 +109,12 @@ def _select_offload(g: StepGraph, mem: MemoryTimeline, stage: int, chosen: Offlo
     times = mem.times_us
     curve = mem.bytes.astype(np.int64).copy()
     spans = []
-    for (s, m, L), nbytes in g.offload_sets.items():
-        if s != stage or (s, m, L) in chosen or nbytes == 0:
+    for key, nbytes in g.offload_sets.items():  # (stage, mb, layer[, slice])
+        if key[0] != stage or key in chosen or nbytes == 0:
             continue
-        a = g.tasks[format_task_id(s, Kind.ATTN_FWD, mb=m, layer=L)].end_us
-        b = g.tasks[format_task_id(s, Kind.ATTN_DX, mb=m, layer=L)].start_us
-        spans.append((np.searchsorted(times, a, "left"), np.searchsorted(times, b, "left"), b, nbytes, (s, m, L)))
+        a = g.tasks[set_task_id(key, Kind.ATTN_FWD)].end_us
+        b = g.tasks[set_task_id(key, Kind.ATTN_DX)].start_us
+        spans.append((np.searchsorted(times, a, "left"), np.searchsorted(times, b, "left"), b, nbytes, key))
     picked: list[tuple[int, int, int]] = []
     used = [False] * len(spans)
     while int(curve.max()) > target:
@@ -162,8 +167,8 @@ class _Search:
             self.base = first
             self.prep = _prepare(self.base, slots)
             idx = {tid: i for i, tid in enumerate(self.prep.ids)}
-            self.pair = {k: (idx[format_task_id(k[0], Kind.ACT_OFFLOAD, mb=k[1], layer=k[2])],
-                             idx[format_task_id(k[0], Kind.ACT_ONLOAD, mb=k[1], layer=k[2])]) for k in self.all_sets}
+            self.pair = {k: (idx[set_task_id(k, Kind.ACT_OFFLOAD)], idx[set_task_id(k, Kind.ACT_ONLOAD)])
+                         for k in self.all_sets}
 
     def run(self, chosen: OffloadChoice, lookahead: int, wgrad_lag: int) -> _Attempt:
         """One list schedule with the offload pairs of ``chosen``, at the given look-ahead and
@@ -243,12 +248,12 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     return dur
 
 
-BISECTION_TASKS = 60_000  # tasks the infeasible-budget bisection may plan in all (about 3 s here)
+BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in all (about 1.5 s here)
 
 
 def _bisection_plans(cfg: Config) -> int:
     """Bisection plans of :func:`_infeasible_message`: 5 for small configs, fewer as plans grow
-    (tiny-cpu: 5; K2-like, 38k tasks: 1), by task count."""
+    (tiny-cpu: 5; K2-like, 38k tasks: none), by task count."""
     from .limits import count_tasks
 
     return max(0, min(5, BISECTION_TASKS // max(1, count_tasks(cfg).total)))
@@ -329,6 +334,29 @@ def _memory_levels(cfg: Config, strategy: str) -> list[tuple[int, int]]:
     return levels
 
 
+NEAR_BOUND = 1.25
+"""A budget below this multiple of the cheap memory bound ([Note: memory lower bound] in
+k3sched/limits.py) is first tried where it is hardest to miss (:func:`_lean_cannot_fit`)."""
+
+
+def _lean_cannot_fit(cfg: Config, search: _Search, budget: int, levels: list[tuple[int, int]]) -> bool:
+    """[Note: fast infeasible budgets] Near the cheap memory bound a budget is often infeasible, and
+    the configured memory level's offload search would spend most of its attempts finding that out
+    (on K2-like: 7 of the 17 list schedules of a refusal). So, for a budget within
+    :data:`NEAR_BOUND` of the bound, one list schedule at the leanest level with every activation set
+    offloaded comes first. If even that misses the budget, the planner goes straight to the
+    leanest level's search, which decides feasibility as it does after the configured level fails;
+    if that search plans after all, planning goes on as usual. A budget this check passes, or one
+    far above the bound, costs nothing more than before."""
+    if len(levels) < 2 or not search.all_sets:
+        return False
+    from .limits import memory_lower_bound
+
+    if budget >= NEAR_BOUND * max(memory_lower_bound(cfg, search.cost).per_stage):
+        return False
+    return max(search.run(OffloadChoice(local=set(search.all_sets)), *levels[-1]).peaks) > budget
+
+
 def _infeasible_message(cfg: Config, search: _Search, level: tuple[int, int], out: _Outcome,
                         best_peak: list[int]) -> str:
     """One line: which stage misses the budget and the smallest budget that plans.
@@ -339,7 +367,9 @@ def _infeasible_message(cfg: Config, search: _Search, level: tuple[int, int], ou
     it is confirmed by planning with it (raised while it does not plan), then a bisection between
     the failing budget and the confirmed one narrows it (to 1 MiB or 1%, at most
     :func:`_bisection_plans` more plans: a count fixed by the config, not a wall-clock limit, so
-    the message is the same on a loaded machine). The value printed is a budget that was planned."""
+    the message is the same on a loaded machine). The value printed is a budget that was planned;
+    where the bisection could not narrow it to 1% (large plans: none is allowed), the message says
+    "at most" and names the smallest peak any attempt reached."""
     budget, peaks, policy = cfg.budget_bytes, out.att.peaks, cfg.schedule.offload
     s = max(range(len(peaks)), key=lambda i: peaks[i] - budget)
     ceil_gib = lambda b: math.ceil(b / GiB * 1000) / 1000  # noqa: E731 - printed with 3 decimals
@@ -361,15 +391,18 @@ def _infeasible_message(cfg: Config, search: _Search, level: tuple[int, int], ou
     if hi is None:
         return f"{head}; no budget up to {need / GiB:.3f} GiB plans"
     lo = budget / GiB  # known not to plan
+    narrow = lambda: hi - lo <= max(0.001, 0.01 * hi) or ceil_gib((lo + hi) / 2 * GiB) >= hi  # noqa: E731
     for _ in range(_bisection_plans(cfg)):
-        if hi - lo <= max(0.001, 0.01 * hi):
+        if narrow():
             break
         mid = ceil_gib((lo + hi) / 2 * GiB)
-        if mid >= hi:
-            break
         ok, _ = plans(mid)
         lo, hi = (lo, mid) if ok else (mid, hi)
-    return f"{head}; the smallest feasible budget is {hi:.3f} GiB"
+    if narrow():
+        return f"{head}; the smallest feasible budget is {hi:.3f} GiB"
+    # too large a plan to bisect: name what was shown, not more
+    return (f"{head}; the smallest feasible budget is at most {hi:.3f} GiB (it plans; no attempt on the way "
+            f"peaked below {math.floor(max(best_peak) / GiB * 1000) / 1000:.3f} GiB)")
 
 
 def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
@@ -399,6 +432,10 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
     budget = cfg.budget_bytes
     policy = cfg.schedule.offload
     levels = _memory_levels(cfg, strategy)
+    if confirm and _lean_cannot_fit(cfg, search, budget, levels):
+        lean = _meet_budget(search, budget, levels[-1])
+        if lean.over:  # the leanest level decides feasibility ([Note: memory levels])
+            raise InfeasibleBudget(_infeasible_message(cfg, search, levels[-1], lean, lean.best_peak))
     out, level = _meet_budget(search, budget, levels[0]), levels[0]
     best_peak = out.best_peak
     if out.over and len(levels) > 1:

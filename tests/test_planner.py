@@ -292,3 +292,36 @@ def test_memory_levels_share_one_graph_and_the_leanest_decides_feasibility(tiny_
     # the plan returned is the attempt of its own level (re-run after the levels between)
     again = planner_mod._plan(tiny_cfg.model_copy(update={"schedule": p.cfg.schedule}), None, None)
     assert again.metrics["step_time_us"] == pytest.approx(p.metrics["step_time_us"])
+
+
+def test_a_budget_the_leanest_level_misses_skips_the_configured_levels_search(tiny_cfg, monkeypatch):
+    import k3sched.planner as planner_mod
+
+    # [Note: fast infeasible budgets]: near the cheap bound, one list schedule at the leanest level with
+    # everything offloaded comes first; when it misses, the configured level is never searched
+    tiny_cfg.schedule.lookahead, tiny_cfg.schedule.wgrad_lag = 1, 4
+    tiny_cfg.schedule.device_memory_budget = 0.001
+    levels = []
+    real = planner_mod._Search.run
+    monkeypatch.setattr(planner_mod._Search, "run",
+                        lambda self, chosen, la, lag: levels.append((la, lag)) or real(self, chosen, la, lag))
+    with pytest.raises(InfeasibleBudget, match="smallest feasible budget is "):
+        plan(tiny_cfg)
+    assert levels and set(levels) == {(0, 0)}
+
+
+def test_the_leanest_level_check_does_not_change_a_plan_that_fits(tiny_cfg, monkeypatch):
+    import k3sched.planner as planner_mod
+
+    tiny_cfg.schedule.lookahead, tiny_cfg.schedule.wgrad_lag = 1, 4
+    tiny_cfg.schedule.device_memory_budget = 0.001
+    with pytest.raises(InfeasibleBudget) as e:
+        plan(tiny_cfg)
+    smallest = float(str(e.value).split("smallest feasible budget is ")[1].split()[0])
+    docs = []
+    for near in (0.0, 1e9):  # never / always checked first
+        monkeypatch.setattr(planner_mod, "NEAR_BOUND", near)
+        for budget in (smallest, 2 * smallest):
+            tiny_cfg.schedule.device_memory_budget = budget
+            docs.append(dumps_plan(plan(tiny_cfg)))
+    assert docs[:2] == docs[2:]
