@@ -7,7 +7,9 @@ config's shape does not support gives a row with the reason instead of numbers.
 
 vpp per schedule: gpipe, 1f1b, zb-h1, zb-h2 place one chunk per rank (vpp 1), and so do dualpipe
 and chimera (one stage of each of their two model copies); zb-v, dualpipev, v-half and v-min two (V shape, vpp 2); interleaved-1f1b keeps the config's vpp when it is at least 2, else uses 2.
-A schedule is skipped when the model has fewer layers than pp * vpp chunks.
+A schedule is skipped when the model has fewer layers than pp * vpp chunks. pipedream-2bw plans two
+training steps at once ([Note: pipedream-2bw] in k3sched/schedule_generators.py); its row's times
+and P2P bytes are per step (the plan's divided by 2), its bubble and peak memory the plan's.
 """
 
 from __future__ import annotations
@@ -107,20 +109,21 @@ def _row(cfg: Config, schedule: str, strategy: str) -> Row:
         return row
     row.plan_s = time.perf_counter() - t0
     m = p.metrics
-    step = m["step_time_us"]
+    per = PIPELINE_TABLE[cfg.schedule.pipeline].steps  # pipedream-2bw: a plan of two steps, shown per step
+    step = m["step_time_us"] / per
     pp = cfg.parallel.pp
     row.step_us = step
-    row.lower_bound_us = m["lower_bound_us"]
-    row.ratio_to_bound = step / m["lower_bound_us"] if m["lower_bound_us"] else None
+    row.lower_bound_us = m["lower_bound_us"] / per
+    row.ratio_to_bound = step / row.lower_bound_us if m["lower_bound_us"] else None
     row.bubble = sum(b["compute"] for b in m["bubble_ratio"]) / pp
-    ep = sum(e["ep"] for e in m["exposed_comm_us"]) / pp
-    coll = sum(e["collective"] for e in m["exposed_comm_us"]) / pp
+    ep = sum(e["ep"] for e in m["exposed_comm_us"]) / pp / per
+    coll = sum(e["collective"] for e in m["exposed_comm_us"]) / pp / per
     row.exposed_ep_us, row.exposed_collective_us = ep, coll
     row.exposed_ep_ratio = ep / step if step else 0.0
     row.exposed_collective_ratio = coll / step if step else 0.0
     row.peak_device = [int(b) for b in m["peak_device_bytes"]]
     row.peak_device_max = max(row.peak_device)
-    row.p2p_bytes = sum(t.bytes for t in p.tasks.values() if t.kind in (Kind.FWD_SEND, Kind.BWD_SEND))
+    row.p2p_bytes = sum(t.bytes for t in p.tasks.values() if t.kind in (Kind.FWD_SEND, Kind.BWD_SEND)) // per
     row.num_tasks = m["num_tasks"]
     row.plan = p
     return row

@@ -577,6 +577,12 @@ class CostModel:
             return weights + grads_dev, optim + params * 4 // p.dp
         return weights + params * 4 + optim, 0
 
+    def weight_bytes(self, layers: list[int], embed: bool, head: bool) -> int:
+        """Device bytes of one version of a stage's weights (the part of :meth:`static_bytes` a second
+        weight version adds: pipedream-2bw, [Note: pipedream-2bw] in k3sched/schedule_generators.py)."""
+        params = sum(sum(self.layer_params(L)) for L in layers) + self.embed_params() * (int(embed) + int(head))
+        return params * self.b
+
     # -- durations -----------------------------------------------------------------------------
     def share(self, kind: Kind) -> float:
         """[Note: CPU sharing] factor of a task of ``kind``: with ``hardware.host_cores`` set (lanes

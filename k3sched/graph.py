@@ -28,13 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import Config
+from .config import Config, ConfigError
 from .cost import CostModel
 from .pipelines import TABLE as PIPELINE_TABLE
 from .schedules import Placement
-from .tasks import LANE_OF, Kind, Mem, Task, format_task_id
+from .tasks import LANE_OF, WGRAD_KINDS, Kind, Mem, Task, format_task_id
 
 Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
+_GRAD_KINDS = WGRAD_KINDS | {Kind.ROUTER_BWD}  # tasks that add to parameter gradients (router.bwd: the router's dW)
 
 
 def placement_for(cfg: Config) -> Placement:
@@ -164,6 +165,10 @@ class _Builder:
         self.start_deps: dict[str, list[str]] = {}
         self.layers = split_layers(cfg)
         self.bidir = PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2
+        self.steps = PIPELINE_TABLE[cfg.schedule.pipeline].steps  # [Note: pipedream-2bw]
+        if self.steps > 1 and cfg.schedule.grad_offload:
+            raise ConfigError(f"schedule.grad_offload: {cfg.schedule.pipeline} keeps two weight versions and is "
+                              f"planned without gradient offload; set grad_offload false")
         if self.bidir:  # vstage pp + k is the up copy of model stage k
             self.layers = self.layers + self.layers
         self.offload_sets: dict[tuple[int, int, int], int] = {}
@@ -179,8 +184,15 @@ class _Builder:
         pp = self.cfg.parallel.pp
         return range(0, pp) if m < self.cfg.parallel.microbatches // 2 else range(pp, 2 * pp)
 
-    def mbs_of(self, v: int) -> list[int]:
-        return [m for m in range(self.cfg.parallel.microbatches) if v in self.route(m)]
+    def mbs_of(self, v: int, step: int | None = None) -> list[int]:
+        """Micro-batches through vstage ``v`` (of the plan's step ``step`` only, when given)."""
+        M = self.cfg.parallel.microbatches
+        mbs = range(M * self.steps) if step is None else range(M * step, M * (step + 1))
+        return [m for m in mbs if v in self.route(m)]
+
+    def optim_id(self, stage: int, step: int) -> str:
+        """The optimizer task of the plan's step ``step`` on ``stage`` ([Note: pipedream-2bw])."""
+        return format_task_id(stage, Kind.OPTIM, step=step or None)
 
     def dur(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
         if kind in (Kind.GRAD_RS,) or nbytes:
@@ -199,6 +211,9 @@ class _Builder:
         stage, chunk = self._rank[v], self._chunk[v]
         if at_stage is not None:
             stage, chunk = at_stage, 0
+        if self.steps > 1 and kind in _GRAD_KINDS and mb is not None and mb >= self.cfg.parallel.microbatches:
+            # one gradient buffer: the previous step's optimizer reads it first ([Note: pipedream-2bw])
+            deps = [*deps, self.optim_id(stage, mb // self.cfg.parallel.microbatches - 1)]
         tid = format_task_id(stage, kind, mb=mb, layer=None if scope_chunk else layer,
                              chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket)
         t = Task(tid, kind, LANE_OF[kind], stage, chunk, mb, layer,
@@ -232,16 +247,20 @@ class _Builder:
         for v in range(self.nv):
             for m in self.mbs_of(v):
                 self.forward(v, m)
-        for v in reversed(range(self.nv)):
-            for m in self.mbs_of(v):
-                self.backward(v, m)
-        self.gradients()
+        for k in range(self.steps):  # step by step, so a step's optimizer precedes the next one's dW
+            for v in reversed(range(self.nv)):
+                for m in self.mbs_of(v, k if self.steps > 1 else None):
+                    self.backward(v, m)
+            self.gradients(k)
         static_dev, static_host = [], []
         for s in range(cfg.parallel.pp):
             vs = [v for v in range(self.nv) if self._rank[v] == s]
             layers = [L for v in vs for L in self.layers[v]]
             d, h = self.cost.static_bytes(layers, embed=any(self.is_first(v) for v in vs),
                                           head=any(self.is_last(v) for v in vs))
+            if self.steps > 1:  # the second weight version ([Note: pipedream-2bw])
+                d += self.cost.weight_bytes(layers, embed=any(self.is_first(v) for v in vs),
+                                            head=any(self.is_last(v) for v in vs))
             static_dev.append(d)
             static_host.append(h)
         return StepGraph(cfg, pl, self.tasks, self.unit, self.topo, self.start_deps, static_dev, static_host,
@@ -409,8 +428,12 @@ class _Builder:
                                 duration=hw.launch_us + total_us / nb))
         return out
 
-    def gradients(self) -> None:
+    def gradients(self, step: int = 0) -> None:
+        """Gradient reduction and the optimizer of the plan's step ``step`` (one step but for
+        pipedream-2bw)."""
         cfg, pl, cost = self.cfg, self.pl, self.cost
+        mbs_of = self.mbs_of if self.steps == 1 else (lambda v: self.mbs_of(v, step))
+        last_mb = None if self.steps == 1 else (step + 1) * cfg.parallel.microbatches - 1
         p = cfg.parallel
         reduce = p.ep * p.dp > 1
         optim_deps: dict[int, list[str]] = {}
@@ -443,25 +466,26 @@ class _Builder:
                                                    nbytes=shard, free=Mem(device=shard))
                     optim_deps.setdefault(stage, []).append(last)
                 elif reduce:
-                    deps = [w for m in self.mbs_of(v) for w in self.wgrads[(m, L)]]
-                    optim_deps.setdefault(stage, []).extend(self.grad_rs(v, None, L, deps))
+                    deps = [w for m in mbs_of(v) for w in self.wgrads[(m, L)]]
+                    optim_deps.setdefault(stage, []).extend(self.grad_rs(v, last_mb, L, deps))
                 else:
-                    optim_deps.setdefault(stage, []).extend(w for m in self.mbs_of(v) for w in self.wgrads[(m, L)])
+                    optim_deps.setdefault(stage, []).extend(w for m in mbs_of(v) for w in self.wgrads[(m, L)])
         for s in range(p.pp):
             deps = optim_deps.get(s, [])
             mine = [u for u in range(self.nv) if self._rank[u] == s]
             for u in mine:
                 if self.is_first(u):
-                    deps = deps + [format_task_id(s, Kind.EMBED_DW, mb=m, chunk=self._chunk[u]) for m in self.mbs_of(u)]
+                    deps = deps + [format_task_id(s, Kind.EMBED_DW, mb=m, chunk=self._chunk[u]) for m in mbs_of(u)]
                 if self.is_last(u):
-                    deps = deps + [format_task_id(s, Kind.HEAD_DW, mb=m, chunk=self._chunk[u]) for m in self.mbs_of(u)]
-            tid = format_task_id(s, Kind.OPTIM)
+                    deps = deps + [format_task_id(s, Kind.HEAD_DW, mb=m, chunk=self._chunk[u]) for m in mbs_of(u)]
+            tid = self.optim_id(s, step)
             params, nonlayer = cost.stage_params([L for u in mine for L in self.layers[u]],
                                                  embed=any(self.is_first(u) for u in mine),
                                                  head=any(self.is_last(u) for u in mine))
             self.tasks[tid] = Task(tid, Kind.OPTIM, LANE_OF[Kind.OPTIM], s, 0, None, None,
                                    duration_us=self.dur(Kind.OPTIM) + cost.optim_us(params, nonlayer), deps=deps)
-            self.unit[tid] = (self.nv, "W", 1 << 30)
+            # pipedream-2bw: step 0's optimizer ranks with the stage's last backward of the step
+            self.unit[tid] = (self.nv, "W", 1 << 30) if last_mb is None or step == self.steps - 1 else (mine[0], "W", last_mb)
             self.topo[tid] = len(self.topo)
 
 

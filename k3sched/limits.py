@@ -155,7 +155,7 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     O(pp x vpp) time."""
     cost = cost or CostModel(cfg)
     m, p, s = cfg.model, cfg.parallel, cfg.schedule
-    M = p.microbatches
+    M = p.microbatches * PIPELINE_TABLE[s.pipeline].steps  # pipedream-2bw plans two steps
     moe = m.layers - m.dense_layers
     dense = m.dense_layers
     per_moe = 15 + (1 if s.dispatch_recompute else 0)  # 6 forward, 6 (+1) dX side, 3 dW
@@ -220,6 +220,7 @@ def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBoun
     act_ok = _positive_durations(cfg, cost)
     head_act = sum(cost.saved_bytes(Kind.HEAD_FWD)) if act_ok else 0
     set_bytes = {True: _set_bytes(cost, True), False: _set_bytes(cost, False)} if act_ok else {True: 0, False: 0}
+    versions = 2 if PIPELINE_TABLE[cfg.schedule.pipeline].steps > 1 else 1  # pipedream-2bw: two weight versions
     if split_steps(cfg) <= EXACT_SPLIT_STEPS:
         pl = placement_for(cfg)
         split = split_layers(cfg)
@@ -231,7 +232,8 @@ def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBoun
             vs = [v for v in range(pl.num_stages) if pl.locate(v)[0] == s]
             layers = [L for v in vs for L in split[v]]
             head = bool(lasts & set(vs))
-            static.append(cost.static_bytes(layers, embed=bool(firsts & set(vs)), head=head)[0])
+            static.append(cost.static_bytes(layers, embed=bool(firsts & set(vs)), head=head)[0]
+                          + (versions - 1) * cost.weight_bytes(layers, embed=bool(firsts & set(vs)), head=head))
             act = max((set_bytes[m.is_moe(L)] for L in layers), default=0)
             acts.append(max(act, head_act if head else 0))
         return MemoryBound([a + b for a, b in zip(static, acts)], static, acts, True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .schedule_generators import (_1f1b, _chimera, _dualpipe, _dualpipev, _gpipe, _interleaved, _v_half, _v_min,
-                                  _zb_h1, _zb_h2, _zb_v)
+from .schedule_generators import (_1f1b, _chimera, _dualpipe, _dualpipev, _gpipe, _interleaved, _pipedream_2bw,
+                                  _v_half, _v_min, _zb_h1, _zb_h2, _zb_v)
 from .schedule_ir import Schedule
 
 Check = tuple[Callable[[int, int, int], bool], Callable[[str, int, int, int], str]]
@@ -67,6 +67,9 @@ class Pipeline:
     """Config rules, checked in order; the first that fails is the error."""
     planned_only: str | None = None
     """Why the runtime does not execute it (None: it runs)."""
+    steps: int = 1
+    """Training steps one plan spans: 2 for pipedream-2bw, whose second step's micro-batches are
+    numbered M..2M-1 ([Note: pipedream-2bw] in k3sched/schedule_generators.py)."""
 
     @property
     def vpp(self) -> int:
@@ -128,5 +131,13 @@ TABLE: dict[str, Pipeline] = {p.name: p for p in (
                                             f"microbatches; got pp {pp}, microbatches {m}"),),
              planned_only="(bidirectional: two model replicas per rank) is planned, not run: the runtime holds one "
                           "copy per stage and does not reduce gradients between replicas"),
+    Pipeline("pipedream-2bw", _pipedream_2bw, 1, "loop", "no flush: steady-state idle 0; a plan of two steps "
+             "idles (p-1)(F+B), bubble ratio (p-1)/(2m+p-1), half of two 1F1B steps'; two weight versions",
+             "Narayanan et al., Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-2BW), ICML 2021",
+             checks=((lambda pp, vpp, m: m < pp,
+                      lambda n, pp, vpp, m: f"parallel.microbatches: {n} needs at least pp = {pp} micro-batches "
+                                            f"per step (two weight versions suffice only then); got {m}"),),
+             planned_only="(two training steps per plan, two weight versions) is planned, not run yet: the runtime "
+                          "runs one step per plan on one weight version", steps=2),
 )}
 PIPELINES: tuple[str, ...] = tuple(TABLE)

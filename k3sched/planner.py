@@ -34,9 +34,10 @@ import numpy as np
 from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
-from .graph import OffloadChoice, StepGraph, build_step
+from .graph import OffloadChoice, StepGraph, build_step, set_task_id
 from .listsched import _list_schedule, _prepare, _Prepared
 from .pipelines import TABLE
+from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
     _device_memory, _device_peak_per_stage, compute_metrics, lower_bound_us, path_bounds)
 from .simulator import MemoryTimeline
@@ -75,6 +76,10 @@ def backbone(cfg: Config) -> "schedules.Schedule":
             raise ValueError(f"parallel.vpp: {name} splits each of its two model copies into pp stages and "
                              f"places one stage of each copy per rank; set vpp 1, got {p.vpp}")
         return schedules.generate(name, p.pp, 2, p.microbatches)
+    if p.seq_chunks > 1:  # Seq1F1B over M*S slice units ([Note: sequence slices] in k3sched/seqslice.py)
+        base = schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches * p.seq_chunks,
+                                  warmup_extra=extra)
+        return schedules.check(seq1f1b(base, p.seq_chunks))
     return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
 
 
@@ -104,12 +109,12 @@ def _select_offload(g: StepGraph, mem: MemoryTimeline, stage: int, chosen: Offlo
     times = mem.times_us
     curve = mem.bytes.astype(np.int64).copy()
     spans = []
-    for (s, m, L), nbytes in g.offload_sets.items():
-        if s != stage or (s, m, L) in chosen or nbytes == 0:
+    for key, nbytes in g.offload_sets.items():  # (stage, mb, layer[, slice])
+        if key[0] != stage or key in chosen or nbytes == 0:
             continue
-        a = g.tasks[format_task_id(s, Kind.ATTN_FWD, mb=m, layer=L)].end_us
-        b = g.tasks[format_task_id(s, Kind.ATTN_DX, mb=m, layer=L)].start_us
-        spans.append((np.searchsorted(times, a, "left"), np.searchsorted(times, b, "left"), b, nbytes, (s, m, L)))
+        a = g.tasks[set_task_id(key, Kind.ATTN_FWD)].end_us
+        b = g.tasks[set_task_id(key, Kind.ATTN_DX)].start_us
+        spans.append((np.searchsorted(times, a, "left"), np.searchsorted(times, b, "left"), b, nbytes, key))
     picked: list[tuple[int, int, int]] = []
     used = [False] * len(spans)
     while int(curve.max()) > target:
@@ -162,8 +167,8 @@ class _Search:
             self.base = first
             self.prep = _prepare(self.base, slots)
             idx = {tid: i for i, tid in enumerate(self.prep.ids)}
-            self.pair = {k: (idx[format_task_id(k[0], Kind.ACT_OFFLOAD, mb=k[1], layer=k[2])],
-                             idx[format_task_id(k[0], Kind.ACT_ONLOAD, mb=k[1], layer=k[2])]) for k in self.all_sets}
+            self.pair = {k: (idx[set_task_id(k, Kind.ACT_OFFLOAD)], idx[set_task_id(k, Kind.ACT_ONLOAD)])
+                         for k in self.all_sets}
 
     def run(self, chosen: OffloadChoice, lookahead: int, wgrad_lag: int) -> _Attempt:
         """One list schedule with the offload pairs of ``chosen``, at the given look-ahead and

@@ -20,6 +20,39 @@ placement: rank r runs F of chunk 0, F of chunk 1, I of chunk 1, I of chunk 0 at
 (F of chunk 0 to the W after I of chunk 0, about 4p units for V-Min and 6p for V-Half, against
 12p for ZB-V / 1F1B) divided by the 6-unit interval is how many blocks overlap, hence the peak:
 (p+4)//3 micro-batches of a rank's activations for V-Min, (p+2)//2 for V-Half, against 1F1B's p.
+
+[Note: pipedream-2bw]
+PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021)
+trains without a pipeline flush: the forwards and backwards of step t+1 fill step t's drain, and
+weights are double-buffered. Its plan spans two consecutive training steps t and t+1 (t even: the
+k-th run of the plan covers steps 2k and 2k+1), so the steady state is visible in one plan. Runs
+of the plan follow one another, and the pipeline drains at the end of each: one fill and one drain
+per two steps, where 1F1B pays one per step.
+
+* micro-batches ``0 .. M-1`` are step t's, ``M .. 2M-1`` step t+1's (M = ``parallel.microbatches``);
+  the backbone is 1F1B over the 2M micro-batches with no flush between them (:func:`_pipedream_2bw`);
+* the optimizer task of step t on stage s is ``s{s}/step/optim.run``, that of step t+1
+  ``s{s}/step1/optim.run`` ([Note: task id grammar] in k3sched/tasks.py). Each depends on its own
+  step's backward work (and gradient reduction, whose ids name the step's last micro-batch) on the
+  stage only, and every task of step t+1 on the stage that adds to a parameter gradient (the dW
+  tasks and router.bwd) waits for step t's optimizer, so one gradient buffer serves both steps.
+
+Weight versions. W_0 are the initial weights and W_{-1} := W_0. Every micro-batch of step t, at
+every stage, runs its forward *and* its backward on W_{t-1} (weight stashing: the version it
+started with), so step t's gradient is g_t = grad L_t(W_{t-1}). Step t's optimizer applies it to
+the newest version with a one-step delay: W_{t+1} = AdamW(W_t, g_t), i.e. W(t+1) = W(t) - lr *
+grad f(W(t-1)) of the paper, with AdamW's moments updated in step order. A stage therefore holds
+two versions: while step t runs on W_{t-1}, W_t (made by step t-1's optimizer) is what step t+1
+runs on; step t's optimizer writes W_{t+1} over W_{t-1}'s buffer once step t's last backward on
+the stage is done. Step t+1 never needs W_{t+1}, so no task of step t+1 waits for step t's
+optimizer except the weight-gradient accumulation above. Steps 0 and 1 both run on W_0.
+
+This changes the training semantics (stale weights, one step late), as the paper says; it is not
+the synchronous reference's training: ``runtime.reference.reference_run(..., delayed=True)`` is
+its reference. The planner counts the second version's weight bytes in the stage's static memory
+(:meth:`k3sched.cost.CostModel.weight_bytes`; also in the memory bound). The paper needs
+m >= p micro-batches per step for two versions to suffice in an endless pipeline; the config rule
+asks for it.
 """
 
 from __future__ import annotations
@@ -456,3 +489,12 @@ def _chimera(pp: int, vpp: int, M: int, extra: int) -> Schedule:
             out.append(Action(v, slot.op, slot.mb + off))
         ranks[R] = out
     return Schedule("chimera", pp, 2, M, place, ranks, bidirectional=True)
+
+
+def _pipedream_2bw(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    """PipeDream-2BW over two consecutive steps ([Note: pipedream-2bw]): 1F1B over 2M
+    micro-batches, the second step's numbered M..2M-1, so step t+1's warm-up forwards fill step
+    t's drain instead of waiting for a flush."""
+    _need(vpp == 1, f"pipedream-2bw places one stage per rank; needs vpp 1, got {vpp}")
+    one = _1f1b(pp, vpp, 2 * M, extra)
+    return Schedule("pipedream-2bw", pp, 1, 2 * M, one.placement, one.ranks)

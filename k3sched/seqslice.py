@@ -21,15 +21,42 @@ summed over layers, as :meth:`k3sched.cost.CostModel.flops` counts them; C = 4 h
 and AV over one key), rounded to whole tokens, every slice at least one token. The routed
 experts are counted at balanced routing (the cost model's busiest-rank skew scales every slice
 alike, so it moves no boundary).
+
+The plan (k3sched/graph.py): every per-layer task of a micro-batch, its embedding and head, its
+P2P sends and receives and its MoE dispatch / combine exist once per slice, costed by
+:meth:`k3sched.cost.CostModel.sliced` (linear parts, all-to-all, P2P and head bytes by the
+slice's tokens; attention FLOPs by ``keys(s, e)``; the head's loss is the slice's tokens'). Two
+dependencies come on top of the layer graph: ``attn.fwd`` of slice j waits for ``attn.fwd`` of
+slice j-1 (same micro-batch and layer), and ``attn.dx`` of slice j-1 waits for ``attn.dx`` of
+slice j. Memory: each slice's activation sets are its own (offloaded per slice: keys (stage, mb,
+layer, slice)); slice j's attention also keeps the keys and values of the prefix [0, s_j) it
+concatenated in front of its own, so it holds K/V of [0, e_j); its backward hands the prefix's key
+/ value gradients (model dtype) to slice j-1, which frees them. A slice's activation set leaves
+for the host only after slice j+1's attention forward of that layer has read its keys / values.
+
+The backbone (:func:`seq1f1b`, planner.backbone): the configured schedule generated over M * S
+units, unit ``m * S + j`` being slice j of micro-batch m in the forward and slice S-1-j in the
+backward (:func:`unit_of`), so forwards run in slice order and backwards in reverse slice order,
+and each rank's backwards move S-1 forwards later (a warm-up of S-1 more slices), the way Seq1F1B
+(Sun et al., 2024, "Seq1F1B: Efficient Sequence-Level Pipeline Parallelism for Large Language
+Model Training") runs 1F1B at slice granularity. It applies to :data:`SEQ_BACKBONES`; schedules
+with overlapped F&B pairs, two model copies or two weight versions are refused (one line).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from .schedule_ir import Action, Schedule
 
 if TYPE_CHECKING:
     from .config import Config
+
+SEQ_BACKBONES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
+"""Backbones Seq1F1B runs on: one model copy, one weight version, and no overlapped F&B pair
+(whose forward and backward would belong to different slices' halves of the order)."""
 
 
 def keys(start: int, end: int) -> int:
@@ -67,6 +94,16 @@ def _cut(a: float, c: float, length: int, chunks: int) -> list[int]:
     return cuts
 
 
+def unit_of(mb: int, j: int | None, op: str, chunks: int) -> int:
+    """The backbone unit (its schedule's micro-batch index) of slice ``j`` of micro-batch ``mb``
+    for op ``F`` (forward: slices in order) or ``I`` / ``W`` (backward: reverse slice order).
+    ``j`` None: a task of the whole micro-batch (gradient-shard copies): its first forward unit
+    or its last backward unit."""
+    if j is None:
+        return mb * chunks + (0 if op == "F" else chunks - 1)
+    return mb * chunks + (j if op == "F" else chunks - 1 - j)
+
+
 def slice_bounds(cfg: Config) -> list[tuple[int, int]]:
     """The token range [start, end) of every slice along the sequence ([Note: sequence slices]):
     ``even`` equal counts, ``compute`` equal forward cost; one slice: ``[(0, seq_len)]``."""
@@ -89,6 +126,10 @@ def seq_error(cfg: Config) -> str | None:
     chunks = p.seq_chunks
     if chunks == 1:
         return None
+    if cfg.schedule.pipeline not in SEQ_BACKBONES:
+        return (f"parallel.seq_chunks: Seq1F1B slices run on {', '.join(SEQ_BACKBONES)} (one model copy, no "
+                f"overlapped F&B pairs); schedule.pipeline is {cfg.schedule.pipeline}; allowed: seq_chunks 1 or one "
+                f"of those backbones")
     if chunks > length:
         return (f"parallel.seq_chunks: every slice needs at least one token, so at most model.seq_len "
                 f"({length}); got {chunks}")
@@ -96,3 +137,37 @@ def seq_error(cfg: Config) -> str | None:
         return (f"parallel.seq_chunks: must divide model.seq_len ({length}) under parallel.seq_split even; got "
                 f"{chunks}; allowed: a divisor of {length}, or seq_split compute")
     return None
+
+
+def seq1f1b(base: Schedule, chunks: int) -> Schedule:
+    """Seq1F1B on ``base``, a backbone generated over M * S units ([Note: sequence slices]): unit
+    ``u`` is slice ``u % S`` of micro-batch ``u // S`` in its forward and slice ``S-1 - u % S`` in its
+    backward (:func:`unit_of`). Each rank keeps its forward order and its backward order and
+    moves every backward action S-1 forwards later (the warm-up of S-1 more slices, as the
+    Seq1F1B paper does for 1F1B), or further where the backbone needs it: a backward of
+    micro-batch m waits until the rank has run the forward of m's last slice."""
+    out: dict[int, list] = {}
+    for r, slots in base.ranks.items():
+        fwd = [a for a in slots if a.op == "F"]
+        at = {(a.vstage, a.mb): i for i, a in enumerate(fwd)}
+        bwd: list[tuple[int, Action]] = []  # (forwards before it in base, action)
+        n = 0
+        for a in slots:
+            if not isinstance(a, Action):
+                raise ValueError(f"{base.name}: Seq1F1B needs single actions per slot; got {a}")
+            if a.op == "F":
+                n += 1
+            else:
+                bwd.append((n, a))
+        need = max((at[(a.vstage, a.mb // chunks * chunks + chunks - 1)] + 1 - k for k, a in bwd), default=0)
+        shift = max(chunks - 1, need)
+        order: list = []
+        i = 0
+        for k, a in bwd:
+            while i < min(k + shift, len(fwd)):
+                order.append(fwd[i])
+                i += 1
+            order.append(a)
+        order.extend(fwd[i:])
+        out[r] = order
+    return replace(base, ranks=out)

@@ -152,6 +152,7 @@ def test_property_generated_schedules_valid_and_round_trip(name, pp, vpp, m, ext
     assert validate(s) == []
     counts = sum(1 for _ in s.actions())
     n_bwd = sum(1 for _, _, a in s.actions() if a.op in "BI")
+    m = s.microbatches  # pipedream-2bw plans two steps: 2m micro-batches
     visits = pp * vpp * m // (2 if s.bidirectional else 1)  # dualpipe, chimera: each mb visits pp of 2pp vstages
     assert n_bwd == visits  # one backward per (vstage, mb) on the mb's route
     assert counts >= 2 * visits

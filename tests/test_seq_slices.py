@@ -120,3 +120,144 @@ def test_cli_refuses_a_bad_seq_chunks_with_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
     assert len(lines) == 1 and "parallel.seq_chunks: must divide model.seq_len (128)" in lines[0], lines
+
+
+# -- the sliced plan ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sliced_plan():
+    from k3sched.planner import plan
+
+    return plan(_cfg("parallel.seq_chunks=4", "parallel.seq_split=compute", "schedule.offload=all"))
+
+
+def test_every_layer_task_exists_per_slice(sliced_plan):
+    whole = _plan_of()
+    per_mb = {_unsliced(t) for t in sliced_plan.tasks.values() if t.mb is not None}
+    assert per_mb == {tid for tid, t in whole.tasks.items() if t.mb is not None}
+    for tid, t in sliced_plan.tasks.items():
+        if t.mb is not None:
+            assert t.slice is not None and f"q{t.slice}/" in tid, tid
+            assert sum(1 for j in range(4) if _with_slice(t, j) in sliced_plan.tasks) == 4, tid
+        else:
+            assert t.slice is None, tid
+
+
+def _plan_of(*overrides):
+    from k3sched.planner import plan
+
+    return plan(_cfg("schedule.offload=all", *overrides))
+
+
+def _unsliced(t):
+    from k3sched.tasks import parse_task_id
+
+    return str(parse_task_id(t.id).__class__(**{**parse_task_id(t.id).__dict__, "slice": None}))
+
+
+def _with_slice(t, j):
+    from k3sched.tasks import parse_task_id
+
+    return str(parse_task_id(t.id).__class__(**{**parse_task_id(t.id).__dict__, "slice": j}))
+
+
+def test_causal_dependencies(sliced_plan):
+    tasks = sliced_plan.tasks
+    n = 0
+    for tid, t in tasks.items():
+        if t.kind.value == "attn.fwd" and t.slice:
+            assert _with_slice(t, t.slice - 1) in t.deps, tid
+            n += 1
+        if t.kind.value == "attn.dx" and t.slice < 3:
+            assert _with_slice(t, t.slice + 1) in t.deps, tid
+            n += 1
+        if t.kind.value == "attn.fwd" and t.slice == 0 or t.kind.value == "attn.dx" and t.slice == 3:
+            assert not any("/attn." in d for d in t.deps), tid
+    assert n == 2 * 3 * 4 * 4  # (fwd + dx) x 3 later slices x 4 micro-batches x 4 layers
+    for tid, t in tasks.items():  # the plan keeps them: a slice's attention starts after its predecessor's ends
+        if t.kind.value == "attn.fwd" and t.slice:
+            assert t.start_us >= tasks[_with_slice(t, t.slice - 1)].end_us
+        if t.kind.value == "attn.dx" and t.slice < 3:
+            assert t.start_us >= tasks[_with_slice(t, t.slice + 1)].end_us
+
+
+def test_backbone_is_seq1f1b(sliced_plan):
+    """1F1B over slices: forwards in slice order, backwards in reverse slice order, and each rank's
+    first backward after the forward of micro-batch 0's last slice (S-1 more warm-up slices)."""
+    S, pp = 4, 2
+    for r, slots in sliced_plan.backbone.items():
+        ops = [(a.op, a.mb) for a in slots]
+        assert [u for op, u in ops if op == "F"] == list(range(4 * S))
+        assert [u for op, u in ops if op == "B"] == list(range(4 * S))
+        first_b = next(i for i, (op, _) in enumerate(ops) if op == "B")
+        assert first_b == (pp - 1 - r) + (S - 1) + 1
+    t = sliced_plan.tasks  # unit 0's backward is slice S-1: its head.dx comes first on the last stage
+    head_dx = sorted((x for x in t.values() if x.kind.value == "head.dx" and x.mb == 0), key=lambda x: x.start_us)
+    assert [x.slice for x in head_dx] == [3, 2, 1, 0]
+
+
+def test_slice_costs_follow_tokens_and_keys(sliced_plan):
+    from k3sched.cost import CostModel
+    from k3sched.tasks import Kind
+
+    cfg = sliced_plan.cfg
+    whole = CostModel(cfg)
+    b = slice_bounds(cfg)
+    t = sliced_plan.tasks
+    recv = [t[f"s0/mb0q{j}/v0/act.send"].bytes for j in range(4)]
+    assert recv == [whole.p2p_bytes() * (e - s) // 128 for s, e in b]
+    a2a = [t[f"s1/mb0q{j}/L3/dispatch.fwd"].bytes for j in range(4)]
+    assert a2a == [whole.sliced(s, e).a2a_bytes(Kind.DISPATCH_FWD) for s, e in b]
+    assert abs(sum(a2a) - whole.a2a_bytes(Kind.DISPATCH_FWD)) <= 4
+    core = [whole.sliced(s, e).flops(Kind.ATTN_FWD) - whole.sliced(s, e).flops(Kind.ATTN_DW) for s, e in b]
+    assert core == [4 * cfg.model.hidden * cfg.model.micro_batch_size * keys(s, e) for s, e in b]
+    # the prefix keys / values: slice j's attention keeps K/V of [0, s_j) on top of its share
+    kv = [whole.sliced(s, e).saved_bytes(Kind.ATTN_FWD)[1] - int(whole.saved_bytes(Kind.ATTN_FWD)[1] * (e - s) / 128)
+          for s, e in b]
+    assert kv == [2 * cfg.model.micro_batch_size * s * cfg.model.hidden * whole.b for s, _ in b]
+
+
+def test_sliced_plan_json_validates_and_ids_parse(sliced_plan, tmp_path):
+    import json
+
+    from k3sched.render import write_outputs
+    from k3sched.tasks import parse_task_id
+    from traces.schema import check_plan
+
+    write_outputs(sliced_plan, tmp_path, png=False, parallel=False)
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    check_plan(doc)
+    tasks = [t for st in doc["stages"] for lane in st["lanes"].values() for t in lane]
+    sl = [t for t in tasks if "slice" in t]
+    assert sl and all(parse_task_id(t["id"]).slice == t["slice"] for t in sl)
+    assert all(t["mb"] is None for t in tasks if "slice" not in t)
+    assert doc["config"]["parallel"]["seq_chunks"] == 4
+
+
+def test_task_count_is_exact_for_sliced_plans():
+    from k3sched.graph import OffloadChoice, build_step
+    from k3sched.limits import count_tasks
+
+    for extra in ([], ["schedule.grad_offload=true"], ["schedule.pipeline=zb-v", "parallel.vpp=2"]):
+        cfg = _cfg("parallel.seq_chunks=4", *extra)
+        g = build_step(cfg, OffloadChoice(everything=True))
+        assert count_tasks(cfg).total == len(g.tasks), extra
+
+
+@pytest.mark.parametrize("pipeline, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
+                                           ("zb-h2", 1), ("zb-v", 2), ("v-half", 2), ("v-min", 2)])
+def test_every_supported_backbone_plans_sliced(pipeline, vpp):
+    from k3sched.planner import plan
+
+    p = plan(_cfg("parallel.seq_chunks=2", f"schedule.pipeline={pipeline}", f"parallel.vpp={vpp}"))
+    assert p.metrics["step_time_us"] > 0
+
+
+@pytest.mark.parametrize("pipeline", ["dualpipev", "dualpipe", "chimera"])
+def test_other_backbones_are_refused(pipeline):
+    with pytest.raises(ConfigError) as e:
+        _cfg("parallel.seq_chunks=2", f"schedule.pipeline={pipeline}", "parallel.vpp=2" if pipeline == "dualpipev"
+             else "parallel.vpp=1", "parallel.microbatches=4")
+    assert ": parallel.seq_chunks: Seq1F1B slices run on gpipe, 1f1b" in str(e.value), str(e.value)
+    assert f"schedule.pipeline is {pipeline}" in str(e.value)
