@@ -37,6 +37,7 @@ number N (split like the analytic model). ``runtime.measure.write_profile`` meas
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from .config import STORAGE_OPS, Config, ConfigError, read_text_file, show_value, yaml_load
 from .placement import GroupPlacement, RankOrder, group_placement, stage_pair_crosses
+from .seqslice import keys
 from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
 
 _FP8_A2A = frozenset({Kind.DISPATCH_FWD, Kind.DISPATCH_RE, Kind.COMBINE_BWD})
@@ -268,6 +270,20 @@ class CostModel:
         self.dp_expert_link = self._link(not self.place["expert"].crosses)
         self.pp_link = self._link(not self.place["p2p"].crosses)
         self._pair_link: dict[tuple[int, int], tuple[float, float]] = {}
+        self.slice: tuple[int, int] | None = None
+        """[start, end) of the sequence slice this model costs (:meth:`sliced`); None: the whole sequence."""
+        self._whole = self
+
+    def sliced(self, start: int, end: int) -> "CostModel":
+        """The cost model of one sequence slice, tokens [start, end) of every sequence of a
+        micro-batch ([Note: sequence slices] in k3sched/seqslice.py): everything per token scales
+        with the slice's tokens; the attention core counts the causal keys of its positions; the
+        attention forward also keeps the keys and values of the prefix [0, start) for its backward.
+        A measured profile's durations and bytes (whole micro-batch) scale the same way."""
+        c = copy.copy(self)
+        c.T = self.cfg.model.micro_batch_size * (end - start)
+        c.slice = (start, end)
+        return c
 
     # -- links -------------------------------------------------------------------------------
     def shared_links(self) -> list[tuple[str, ...]]:
@@ -349,6 +365,8 @@ class CostModel:
         f, F = m.expert_hidden, m.ffn_dense_hidden
         proj = 2 * T * h * 4 * h
         core = 2 * T * S * h
+        if self.slice is not None:  # 2 * 2 h FLOPs per (query, key) over the slice's causal keys
+            core = 4 * h * m.micro_batch_size * keys(*self.slice)
         table = {
             Kind.ATTN_FWD: proj + core,
             Kind.ATTN_DX: proj + 2 * core,
@@ -490,6 +508,8 @@ class CostModel:
     # -- activation memory (bytes saved for backward, per layer per micro-batch) -----------------
     def saved_bytes(self, kind: Kind) -> tuple[int, int]:
         """(bytes kept until dW -- the op's inputs --, bytes kept until dX only) of a forward op."""
+        if self.slice is not None:
+            return self._slice_saved(kind)
         measured = self.profile.saved_bytes.get(kind.value)
         if isinstance(measured, tuple):
             if kind is Kind.HEAD_FWD:  # kept in the model dtype, see below
@@ -525,6 +545,22 @@ class CostModel:
             return int(measured * w / (w + x)), measured - int(measured * w / (w + x))
         return int(w), int(x)
 
+    def _slice_fraction(self) -> float:
+        start, end = self.slice or (0, self.cfg.model.seq_len)
+        return (end - start) / self.cfg.model.seq_len
+
+    def _slice_saved(self, kind: Kind) -> tuple[int, int]:
+        """:meth:`saved_bytes` of a slice: the whole sequence's, scaled by the slice's tokens, and
+        for attention the keys and values of the prefix [0, start) it concatenates in front of its
+        own and keeps for its backward ([Note: sequence slices] in k3sched/seqslice.py)."""
+        w, x = self._whole.saved_bytes(kind)
+        frac = self._slice_fraction()
+        w, x = int(w * frac), int(x * frac)
+        if kind is Kind.ATTN_FWD and self.slice and self.slice[0]:
+            b = 1 + 4 / 128 if self.stored_fp8(kind) else self.b
+            x += int(2 * self.cfg.model.micro_batch_size * self.slice[0] * self.cfg.model.hidden * b)
+        return w, x
+
     def stored_fp8(self, kind: Kind) -> bool:
         """Whether the forward kind's saved activations are stored block-wise FP8: its sub-op's
         storage policy ([Note: storage policies from the config] in k3sched/config.py); kinds
@@ -549,6 +585,8 @@ class CostModel:
 
     def grad_out_bytes(self, kind: Kind) -> int:
         """Bytes of the output gradient a dX task keeps for its deferred dW."""
+        if self.slice is not None:
+            return int(self._whole.grad_out_bytes(kind) * self._slice_fraction())
         measured = self.profile.saved_bytes.get(kind.value)
         if isinstance(measured, int):
             return measured
@@ -659,6 +697,9 @@ class CostModel:
         hw = self.cfg.hardware
         measured = self.profile.durations_us.get(kind.value)
         if measured is not None:  # measured at the profiled run's routing: balanced ([Note: skewed cost])
+            if self.slice is not None:  # a whole micro-batch's time: the slice's share of its FLOPs or tokens
+                whole = self._whole.flops(kind)
+                measured *= self.flops(kind) / whole if whole else self._slice_fraction()
             return measured * (self.skew_factors()[0] if kind in _EXPERT_KINDS else 1.0)
         if kind in _GEMM:
             return hw.launch_us + self.flops(kind) / self._flops_per_us

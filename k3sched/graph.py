@@ -26,13 +26,15 @@ gradient from the layer above (attn.dx), the head (head.dx) or the next stage (g
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 from .config import Config, ConfigError
 from .cost import CostModel
 from .pipelines import TABLE as PIPELINE_TABLE
 from .schedules import Placement
-from .tasks import LANE_OF, WGRAD_KINDS, Kind, Mem, Task, format_task_id
+from .seqslice import slice_bounds, unit_of
+from .tasks import LANE_OF, WGRAD_KINDS, Kind, Mem, Task, format_task_id, parse_task_id
 
 Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
 _GRAD_KINDS = WGRAD_KINDS | {Kind.ROUTER_BWD}  # tasks that add to parameter gradients (router.bwd: the router's dW)
@@ -122,7 +124,8 @@ def layers_by_vstage(n_layers: int, n_vstages: int) -> list[list[int]]:
 @dataclass
 class OffloadChoice:
     """Which (stage, mb, layer) activation sets leave the device, and where to.
-    ``remote[(stage, mb, layer)] = peer_stage`` for remote offload, else local host."""
+    ``remote[(stage, mb, layer)] = peer_stage`` for remote offload, else local host. In a sliced
+    plan a set is one slice's: (stage, mb, layer, slice)."""
 
     local: set[tuple[int, int, int]] = field(default_factory=set)
     remote: dict[tuple[int, int, int], int] = field(default_factory=dict)
@@ -133,6 +136,12 @@ class OffloadChoice:
 
     def is_local(self, key: tuple[int, int, int]) -> bool:
         return key in self.local or (self.everything and key not in self.remote)
+
+
+def set_task_id(key: tuple[int, ...], kind: Kind) -> str:
+    """The id of the ``kind`` task (attn.fwd, act.offload, ...) of activation set ``key``:
+    (stage, mb, layer), or (stage, mb, layer, slice) in a sliced plan."""
+    return format_task_id(key[0], kind, mb=key[1], layer=key[2], slice=key[3] if len(key) > 3 else None)
 
 
 @dataclass
@@ -175,6 +184,12 @@ class _Builder:
         self._saved = {k: self.cost.saved_bytes(k) for k in Kind}
         self._grad_out = {k: self.cost.grad_out_bytes(k) for k in Kind}
         self._dur: dict[Kind, float] = {}
+        # sequence slices ([Note: sequence slices] in k3sched/seqslice.py): one cost model per slice
+        self.S = cfg.parallel.seq_chunks
+        self._j: int | None = None  # the slice being built (None: whole micro-batches)
+        self._bounds = slice_bounds(cfg)
+        self._slices = [self._slice_state(self.cost.sliced(*b)) for b in self._bounds] if self.S > 1 else []
+        self._pending_offload: dict[tuple[int, int, int], tuple] = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def route(self, m: int) -> range:
@@ -214,14 +229,15 @@ class _Builder:
         if self.steps > 1 and kind in _GRAD_KINDS and mb is not None and mb >= self.cfg.parallel.microbatches:
             # one gradient buffer: the previous step's optimizer reads it first ([Note: pipedream-2bw])
             deps = [*deps, self.optim_id(stage, mb // self.cfg.parallel.microbatches - 1)]
+        j = self._j if mb is not None else None
         tid = format_task_id(stage, kind, mb=mb, layer=None if scope_chunk else layer,
-                             chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket)
+                             chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket, slice=j)
         t = Task(tid, kind, LANE_OF[kind], stage, chunk, mb, layer,
                  duration_us=self.dur(kind, layer, nbytes) if duration is None else duration,
-                 deps=[d for d in deps if d], alloc=alloc or Mem(), free=free or Mem(), bytes=nbytes, **extra)
+                 deps=[d for d in deps if d], alloc=alloc or Mem(), free=free or Mem(), bytes=nbytes, slice=j, **extra)
         assert tid not in self.tasks, tid
         self.tasks[tid] = t
-        self.unit[tid] = (v, unit, mb if mb is not None else -1)
+        self.unit[tid] = (v, unit, -1 if mb is None else mb if self.S == 1 else unit_of(mb, j, unit, self.S))
         self.topo[tid] = len(self.topo)
         return tid
 
@@ -234,6 +250,36 @@ class _Builder:
     def fwd_alloc(self, kind: Kind) -> Mem:
         w, x = self._saved[kind]
         return Mem(device=w + x)
+
+    # -- sequence slices ([Note: sequence slices] in k3sched/seqslice.py) ------------------------
+    @staticmethod
+    def _slice_state(cost: CostModel) -> tuple:
+        return cost, {k: cost.saved_bytes(k) for k in Kind}, {k: cost.grad_out_bytes(k) for k in Kind}, {}
+
+    @contextmanager
+    def _at_slice(self, j: int):
+        """Build slice ``j``: its cost model, saved bytes and durations replace the whole
+        micro-batch's while inside; task ids and units then name the slice."""
+        outer = self.cost, self._saved, self._grad_out, self._dur, self._j
+        self.cost, self._saved, self._grad_out, self._dur = self._slices[j]
+        self._j = j
+        try:
+            yield
+        finally:
+            self.cost, self._saved, self._grad_out, self._dur, self._j = outer
+
+    def _mk(self, m: int) -> int | tuple[int, int]:
+        """Key of micro-batch ``m`` (and the slice being built) in the per-(vstage, mb) tables."""
+        return m if self._j is None else (m, self._j)
+
+    def set_key(self, stage: int, m: int, L: int) -> tuple[int, ...]:
+        """Key of an activation set: (stage, mb, layer), plus the slice in a sliced plan."""
+        return (stage, m, L) if self._j is None else (stage, m, L, self._j)
+
+    def _kv_grad_bytes(self, j: int) -> int:
+        """Bytes of the key / value gradients of the prefix [0, start of slice j) that slice j's
+        attention backward hands to the earlier slices (model dtype)."""
+        return 2 * self.cfg.model.micro_batch_size * self._bounds[j][0] * self.cfg.model.hidden * self.cost.b
 
     # -- expansion -----------------------------------------------------------------------------
     def build(self) -> StepGraph:
@@ -267,18 +313,43 @@ class _Builder:
                          self.layers, self.offload_sets)
 
     def forward(self, v: int, m: int) -> None:
+        """Forward of micro-batch ``m`` on vstage ``v``; in a sliced plan one pass per sequence
+        slice, in slice order ([Note: sequence slices] in k3sched/seqslice.py)."""
+        if not self._slices:
+            return self._forward(v, m)
+        for j in range(self.S):
+            with self._at_slice(j):
+                self._forward(v, m)
+
+    def backward(self, v: int, m: int) -> None:
+        """Backward of micro-batch ``m`` on vstage ``v``; in a sliced plan one pass per slice, in
+        reverse slice order."""
+        if not self._slices:
+            return self._backward(v, m)
+        for j in reversed(range(self.S)):
+            with self._at_slice(j):
+                self._backward(v, m)
+
+    def _forward(self, v: int, m: int) -> None:
         pl, model = self.pl, self.cfg.model
         stage = self._rank[v]
+        mk, j = self._mk(m), self._j
         if self.is_first(v):
             prev = [self.add(Kind.EMBED_FWD, v, "F", m, scope_chunk=True)]
         elif self._rank[v - 1] != stage:
-            prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, m)]],
+            prev = [self.add(Kind.FWD_RECV, v, "F", m, scope_chunk=True, deps=[self.send_f[(v - 1, mk)]],
                              release=(self._rank[v - 1], self.cost.p2p_bytes()),
                              duration=self.cost.duration_us(Kind.FWD_RECV, stages=(self._rank[v - 1], stage)))]
         else:
-            prev = self.fwd_out[(v - 1, m)]
+            prev = self.fwd_out[(v - 1, mk)]
         for L in self.layers[v]:
-            a = self.add(Kind.ATTN_FWD, v, "F", m, layer=L, deps=prev, alloc=self.fwd_alloc(Kind.ATTN_FWD))
+            # causal attention: slice j reads the keys and values of slice j-1 (and so of every earlier one)
+            kv = [format_task_id(stage, Kind.ATTN_FWD, mb=m, layer=L, slice=j - 1)] if j else []
+            a = self.add(Kind.ATTN_FWD, v, "F", m, layer=L, deps=prev + kv, alloc=self.fwd_alloc(Kind.ATTN_FWD))
+            pending = self._pending_offload.pop((stage, m, L), None)
+            if pending is not None:  # slice j-1's set leaves once this attention has read its keys / values
+                with self._at_slice(j - 1):
+                    self._offload_set(v, m, L, pending[0], pending[1] + [a])
             if model.is_moe(L):
                 r = self.add(Kind.ROUTER_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.ROUTER_FWD))
                 d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r],
@@ -296,45 +367,58 @@ class _Builder:
             else:
                 prev = [self.add(Kind.MLP_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.MLP_FWD))]
                 kinds = (Kind.ATTN_FWD, Kind.MLP_FWD)
-            key = (stage, m, L)
+            key = self.set_key(stage, m, L)
             # sub-ops kept on the device stay out of the set ([Note: storage policies from the config])
             nbytes = sum(sum(self._saved[k]) for k in kinds if not self.cost.kept_on_device(k))
             self.offload_sets[key] = nbytes
-            if self.off.is_local(key):
-                self.add(Kind.ACT_OFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,
-                         alloc=Mem(host=nbytes), free=Mem(device=nbytes), buffer=f"s{stage}/mb{m}/L{L}/act")
-            elif key in self.off.remote:
-                peer = self.off.remote[key]
-                buf = f"s{stage}/mb{m}/L{L}/act"
-                off = self.add(Kind.ACT_ROFFLOAD, v, "F", m, layer=L, deps=list(prev), nbytes=nbytes,
-                               alloc=Mem(peer=nbytes), free=Mem(device=nbytes), peer_stage=peer, buffer=buf)
-                # the peer's side: receive and keep it (its memory is accounted via peer_stage)
-                self.add(Kind.ACT_RSTORE, v, "F", m, layer=L, deps=[off], nbytes=nbytes, at_stage=peer,
-                         peer_stage=stage, buffer=buf, duration=self.cfg.hardware.launch_us + self.cost.pp_link[1])
+            if j is not None and j < self.S - 1 and key in self.off:
+                self._pending_offload[(stage, m, L)] = (nbytes, list(prev))
+            else:
+                self._offload_set(v, m, L, nbytes, list(prev))
         if self.is_last(v):
             prev = [self.add(Kind.HEAD_FWD, v, "F", m, scope_chunk=True, deps=prev,
                              alloc=self.fwd_alloc(Kind.HEAD_FWD))]
         elif self._rank[v + 1] != stage:
             # the send buffer stays on this stage until the receive has it (released by the receive)
-            self.send_f[(v, m)] = self.add(Kind.FWD_SEND, v, "F", m, scope_chunk=True, deps=prev,
-                                           nbytes=self.cost.p2p_bytes(), duration=self.dur(Kind.FWD_SEND),
-                                           alloc=Mem(device=self.cost.p2p_bytes()))
-        self.fwd_out[(v, m)] = prev
+            self.send_f[(v, mk)] = self.add(Kind.FWD_SEND, v, "F", m, scope_chunk=True, deps=prev,
+                                            nbytes=self.cost.p2p_bytes(), duration=self.dur(Kind.FWD_SEND),
+                                            alloc=Mem(device=self.cost.p2p_bytes()))
+        self.fwd_out[(v, mk)] = prev
+
+    def _buffer(self, stage: int, m: int, L: int) -> str:
+        return f"s{stage}/mb{m}{'' if self._j is None else f'q{self._j}'}/L{L}/act"
+
+    def _offload_set(self, v: int, m: int, L: int, nbytes: int, deps: list[str]) -> None:
+        """The offload copy of activation set (stage of ``v``, ``m``, ``L``) of the slice being built
+        when the offload choice takes it: to the host, or to a peer stage's memory."""
+        stage = self._rank[v]
+        key = self.set_key(stage, m, L)
+        buf = self._buffer(stage, m, L)
+        if self.off.is_local(key):
+            self.add(Kind.ACT_OFFLOAD, v, "F", m, layer=L, deps=deps, nbytes=nbytes,
+                     alloc=Mem(host=nbytes), free=Mem(device=nbytes), buffer=buf)
+        elif key in self.off.remote:
+            peer = self.off.remote[key]
+            off = self.add(Kind.ACT_ROFFLOAD, v, "F", m, layer=L, deps=deps, nbytes=nbytes,
+                           alloc=Mem(peer=nbytes), free=Mem(device=nbytes), peer_stage=peer, buffer=buf)
+            # the peer's side: receive and keep it (its memory is accounted via peer_stage)
+            self.add(Kind.ACT_RSTORE, v, "F", m, layer=L, deps=[off], nbytes=nbytes, at_stage=peer,
+                     peer_stage=stage, buffer=buf, duration=self.cfg.hardware.launch_us + self.cost.pp_link[1])
 
     def _onload(self, v: int, m: int, L: int, trigger: str | None) -> str | None:
         stage = self._rank[v]
-        key = (stage, m, L)
+        key = self.set_key(stage, m, L)
         if key not in self.off:
             return None
         nbytes = self.offload_sets[key]
-        buf = f"s{stage}/mb{m}/L{L}/act"
+        buf = self._buffer(stage, m, L)
         if self.off.is_local(key):
-            off = format_task_id(stage, Kind.ACT_OFFLOAD, mb=m, layer=L)
+            off = format_task_id(stage, Kind.ACT_OFFLOAD, mb=m, layer=L, slice=self._j)
             t = self.add(Kind.ACT_ONLOAD, v, "I", m, layer=L, deps=[off], nbytes=nbytes,
                          alloc=Mem(device=nbytes), free=Mem(host=nbytes), buffer=buf)
         else:
             peer = self.off.remote[key]
-            store = format_task_id(peer, Kind.ACT_RSTORE, mb=m, layer=L)
+            store = format_task_id(peer, Kind.ACT_RSTORE, mb=m, layer=L, slice=self._j)
             serve = self.add(Kind.ACT_RSERVE, v, "I", m, layer=L, deps=[store], nbytes=nbytes, at_stage=peer,
                              peer_stage=stage, buffer=buf, duration=self.cfg.hardware.launch_us + self.cost.pp_link[1])
             if trigger:
@@ -345,24 +429,25 @@ class _Builder:
             self.start_deps[t] = [trigger]
         return t
 
-    def backward(self, v: int, m: int) -> None:
+    def _backward(self, v: int, m: int) -> None:
         pl, model, cost = self.pl, self.cfg.model, self.cost
         sched = self.cfg.schedule
         stage = self._rank[v]
         sv, dx_alloc = self._saved, self._grad_out.__getitem__
         wg = self.wgrads
+        mk, j = self._mk(m), self._j
         if self.is_last(v):
-            head_fwd = self.fwd_out[(v, m)][0]
+            head_fwd = self.fwd_out[(v, mk)][0]
             up = self.add(Kind.HEAD_DX, v, "I", m, scope_chunk=True, deps=[head_fwd],
                           free=Mem(device=sv[Kind.HEAD_FWD][1]), alloc=Mem(device=dx_alloc(Kind.HEAD_DX)))
             self.add(Kind.HEAD_DW, v, "W", m, scope_chunk=True, deps=[up],
                      free=Mem(device=sv[Kind.HEAD_FWD][0] + dx_alloc(Kind.HEAD_DX)))
         elif self._rank[v + 1] != stage:
-            up = self.add(Kind.BWD_RECV, v, "I", m, scope_chunk=True, deps=[self.send_b[(v + 1, m)]],
+            up = self.add(Kind.BWD_RECV, v, "I", m, scope_chunk=True, deps=[self.send_b[(v + 1, mk)]],
                           release=(self._rank[v + 1], self.cost.p2p_bytes()),
                           duration=self.cost.duration_us(Kind.BWD_RECV, stages=(self._rank[v + 1], stage)))
         else:
-            up = self.bwd_out[(v + 1, m)]
+            up = self.bwd_out[(v + 1, mk)]
         layers = self.layers[v]
         # Prefetch trigger: onload of layer L starts when the backward of layer L+2 starts; the
         # top two layers of the chunk are released with the chunk's upstream gradient's producer.
@@ -395,26 +480,44 @@ class _Builder:
                 db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx],
                               nbytes=cost.a2a_bytes(Kind.DISPATCH_BWD), duration=self.dur(Kind.DISPATCH_BWD))
                 rb = self.add(Kind.ROUTER_BWD, v, "I", m, layer=L, deps=[db, sdx], free=Mem(device=sum(sv[Kind.ROUTER_FWD])))
-                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb],
-                               free=Mem(device=sv[Kind.ATTN_FWD][1]), alloc=Mem(device=dx_alloc(Kind.ATTN_DX)))
+                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb, *self._kv_grad_dep(stage, m, L)],
+                               **self._attn_dx_mem(Kind.ATTN_DX, sv[Kind.ATTN_FWD][1], dx_alloc(Kind.ATTN_DX)))
                 W(Kind.EXPERT_DW, [edx] + wdeps, disp_bytes + dx_alloc(Kind.EXPERT_DX))
                 W(Kind.SHARED_DW, [sdx], dx_alloc(Kind.SHARED_DX))
             else:
                 mdx = self.add(Kind.MLP_DX, v, "I", m, layer=L, deps=ups,
                                free=Mem(device=sv[Kind.MLP_FWD][1]), alloc=Mem(device=dx_alloc(Kind.MLP_DX)))
                 first_bwd[L] = mdx
-                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[mdx],
-                               free=Mem(device=sv[Kind.ATTN_FWD][1]), alloc=Mem(device=dx_alloc(Kind.ATTN_DX)))
+                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[mdx, *self._kv_grad_dep(stage, m, L)],
+                               **self._attn_dx_mem(Kind.ATTN_DX, sv[Kind.ATTN_FWD][1], dx_alloc(Kind.ATTN_DX)))
                 W(Kind.MLP_DW, [mdx], sv[Kind.MLP_FWD][0] + dx_alloc(Kind.MLP_DX))
             W(Kind.ATTN_DW, [adx], sv[Kind.ATTN_FWD][0] + dx_alloc(Kind.ATTN_DX))
             up = adx
         if self.is_first(v):
             self.add(Kind.EMBED_DW, v, "W", m, scope_chunk=True, deps=[up])
         elif self._rank[v - 1] != stage:
-            self.send_b[(v, m)] = self.add(Kind.BWD_SEND, v, "I", m, scope_chunk=True, deps=[up],
-                                           nbytes=cost.p2p_bytes(), duration=self.dur(Kind.BWD_SEND),
-                                           alloc=Mem(device=cost.p2p_bytes()))
-        self.bwd_out[(v, m)] = up
+            self.send_b[(v, mk)] = self.add(Kind.BWD_SEND, v, "I", m, scope_chunk=True, deps=[up],
+                                            nbytes=cost.p2p_bytes(), duration=self.dur(Kind.BWD_SEND),
+                                            alloc=Mem(device=cost.p2p_bytes()))
+        self.bwd_out[(v, mk)] = up
+
+    def _kv_grad_dep(self, stage: int, m: int, L: int) -> list[str]:
+        """Slice j's attention backward waits for slice j+1's, which adds the key / value gradients
+        of the prefix into slice j's ([Note: sequence slices] in k3sched/seqslice.py)."""
+        j = self._j
+        if j is None or j == self.S - 1:
+            return []
+        return [format_task_id(stage, Kind.ATTN_DX, mb=m, layer=L, slice=j + 1)]
+
+    def _attn_dx_mem(self, kind: Kind, saved: int, grad_out: int) -> dict[str, Mem]:
+        """Memory effect of an attention dX: it frees the forward's saved activations and keeps its
+        output gradient; in a sliced plan it also frees the prefix key / value gradients slice j+1
+        handed it and hands the (shorter) prefix's on to slice j-1."""
+        j = self._j
+        if j is None:
+            return {"free": Mem(device=saved), "alloc": Mem(device=grad_out)}
+        got = self._kv_grad_bytes(j + 1) if j + 1 < self.S else 0
+        return {"free": Mem(device=saved + got), "alloc": Mem(device=grad_out + self._kv_grad_bytes(j))}
 
     def grad_rs(self, v: int, mb: int | None, layer: int, deps: list[str]) -> list[str]:
         """DP reduce-scatter of one layer's gradient in buckets of ``schedule.grad_bucket_mb``
@@ -491,4 +594,25 @@ class _Builder:
 
 def build_step(cfg: Config, offload: OffloadChoice | None = None) -> StepGraph:
     """The task DAG of one training step over all PP stages (see [Note: layer task graph])."""
-    return _Builder(cfg, offload).build()
+    g = _Builder(cfg, offload).build()
+    if cfg.parallel.seq_chunks > 1:
+        _slice_deps(g, cfg.parallel.seq_chunks)
+    return g
+
+
+def _slice_deps(g: StepGraph, chunks: int) -> None:
+    """In a sliced plan, a dependency on a whole micro-batch's task that exists only per slice
+    (the optimizer's on embed.dw and head.dw) is one on each of its slices' tasks."""
+    for t in g.tasks.values():
+        if all(d in g.tasks for d in t.deps):
+            continue
+        deps: list[str] = []
+        for d in t.deps:
+            if d in g.tasks:
+                deps.append(d)
+                continue
+            key = parse_task_id(d)
+            ids = [str(replace(key, slice=j)) for j in range(chunks)]
+            assert key.mb is not None and key.slice is None and all(i in g.tasks for i in ids), d
+            deps.extend(ids)
+        t.deps = deps

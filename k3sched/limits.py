@@ -30,6 +30,7 @@ from .cost import CostModel
 from .graph import placement_for, split_layers
 from .pipelines import TABLE as PIPELINE_TABLE
 from .planner import InfeasibleBudget
+from .seqslice import slice_bounds
 from .tasks import Kind
 
 MAX_SPLIT_STEPS = 1_000_000
@@ -160,13 +161,14 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     dense = m.dense_layers
     per_moe = 15 + (1 if s.dispatch_recompute else 0)  # 6 forward, 6 (+1) dX side, 3 dW
     per_dense = 6  # attn / mlp forward, dX, dW
-    layers = M * (moe * per_moe + dense * per_dense)
-    offload = 2 * M * m.layers if s.offload != "none" else 0
+    U = M * p.seq_chunks  # pipeline units: each sequence slice has its own layer, offload and edge tasks
+    layers = U * (moe * per_moe + dense * per_dense)
+    offload = 2 * U * m.layers if s.offload != "none" else 0
     pl = placement_for(cfg)
     nv = pl.num_stages
     ranks = [pl.locate(v)[0] for v in range(nv)]
     boundaries = sum(1 for v in range(nv - 1) if ranks[v] != ranks[v + 1])
-    edges = M * (2 + 3 + 4 * boundaries)  # embed fwd / dW, head fwd / dX / dW, act and grad send / recv
+    edges = U * (2 + 3 + 4 * boundaries)  # embed fwd / dW, head fwd / dX / dW, act and grad send / recv
     reduce = p.ep * p.dp > 1
     b_moe = _buckets(cfg, cost, m.dense_layers) if moe and reduce else 0
     b_dense = _buckets(cfg, cost, 0) if dense and reduce else 0
@@ -220,6 +222,10 @@ def memory_lower_bound(cfg: Config, cost: CostModel | None = None) -> MemoryBoun
     act_ok = _positive_durations(cfg, cost)
     head_act = sum(cost.saved_bytes(Kind.HEAD_FWD)) if act_ok else 0
     set_bytes = {True: _set_bytes(cost, True), False: _set_bytes(cost, False)} if act_ok else {True: 0, False: 0}
+    if p.seq_chunks > 1 and act_ok:  # a set is one slice's ([Note: sequence slices] in k3sched/seqslice.py)
+        parts = [cost.sliced(*b) for b in slice_bounds(cfg)]
+        head_act = max(sum(c.saved_bytes(Kind.HEAD_FWD)) for c in parts)
+        set_bytes = {moe: max(_set_bytes(c, moe) for c in parts) for moe in (True, False)}
     versions = 2 if PIPELINE_TABLE[cfg.schedule.pipeline].steps > 1 else 1  # pipedream-2bw: two weight versions
     if split_steps(cfg) <= EXACT_SPLIT_STEPS:
         pl = placement_for(cfg)
