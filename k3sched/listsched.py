@@ -162,9 +162,10 @@ class _SlotGate:
 
 
 def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
-                   skip: frozenset[int] = frozenset()) -> dict[tuple[int, str], list[str]]:
+                   skip: frozenset[int] = frozenset(), times: list | None = None) -> dict[tuple[int, str], list[str]]:
     """Event-driven list scheduling (see module docstring). ``skip``: task indices left out (offload
-    tasks not chosen in this attempt); a dependency on a skipped task counts as met."""
+    tasks not chosen in this attempt); a dependency on a skipped task counts as met. ``times``, when
+    given, receives the start and end times by task index (the lists also written into the tasks)."""
     n = len(prep.ids)
     stage_of, slot, succ, ssucc, dur = prep.stage, prep.slot, prep.succ, prep.ssucc, prep.dur
     is_main, is_p2p, is_bg, is_w, feeds = prep.main, prep.p2p, prep.background, prep.wgrad, prep.feeds_main
@@ -306,4 +307,6 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
         stuck = [prep.ids[i] for i in range(n) if i not in skip and not any(i in o for o in orders)][:6]
         raise DeadlockError(f"plan deadlocks: {n - len(skip) - started} tasks never became ready, e.g. "
                             f"{', '.join(stuck)}")
+    if times is not None:
+        times[:] = (start_t, end_t)
     return _lane_orders(g, prep, orders, start_t, end_t)

@@ -40,7 +40,7 @@ from .pipelines import TABLE
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
     _device_memory, _device_peak_per_stage, compute_metrics, lower_bound_us, path_bounds)
-from .simulator import MemoryTimeline
+from .simulator import MemoryEvents, MemoryTimeline
 from .tasks import Kind, Task, format_task_id
 
 
@@ -169,6 +169,9 @@ class _Search:
             idx = {tid: i for i, tid in enumerate(self.prep.ids)}
             self.pair = {k: (idx[set_task_id(k, Kind.ACT_OFFLOAD)], idx[set_task_id(k, Kind.ACT_ONLOAD)])
                          for k in self.all_sets}
+            self.events = MemoryEvents([self.base.tasks[tid] for tid in self.prep.ids])
+            self.mem_base = {**{(s, "device"): d for s, d in enumerate(first.static_device)},
+                             **{(s, "host"): h for s, h in enumerate(first.static_host)}}
 
     def run(self, chosen: OffloadChoice, lookahead: int, wgrad_lag: int) -> _Attempt:
         """One list schedule with the offload pairs of ``chosen``, at the given look-ahead and
@@ -180,15 +183,18 @@ class _Search:
         else:
             g = build_step(self.cfg, chosen)
             prep, skip = _prepare(g, self.slots), frozenset()
-        lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip)
+        times: list = []
+        lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, times)
         if not self.serial and self.cost.comm_cpu_ns_per_byte():
             for _ in range(2):  # [Note: CPU cost of communication]: a fixed point in two rounds
                 busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost))
-                lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip)
+                lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, times)
             for tid, d in zip(busy.ids, busy.dur):
                 g.tasks[tid].duration_us = d
-        keep = [g.tasks[prep.ids[i]] for i in range(len(prep.ids)) if i not in skip]
-        mem = _device_memory(g, keep)
+        if self.fast:  # the base graph's memory events, laid out once
+            mem = self.events.timeline(times[0], times[1], skip, self.mem_base)
+        else:
+            mem = _device_memory(g, [g.tasks[tid] for tid in prep.ids])
         return _Attempt(g, lane_orders, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip)
 
     def finish(self, att: _Attempt) -> StepGraph:

@@ -325,3 +325,31 @@ def test_the_leanest_level_check_does_not_change_a_plan_that_fits(tiny_cfg, monk
             tiny_cfg.schedule.device_memory_budget = budget
             docs.append(dumps_plan(plan(tiny_cfg)))
     assert docs[:2] == docs[2:]
+
+
+@pytest.mark.parametrize("over", [["schedule.offload=all"], ["schedule.offload=remote",
+                                                                 "schedule.device_memory_budget=0.0255"], []])
+def test_memory_events_give_memory_timelines_exactly(tiny_cfg, over):
+    # the offload search's array form of memory_timeline (k3sched/simulator.py MemoryEvents), on a
+    # planned step with local, remote (peer bytes) and P2P (release) effects, for several skip sets
+    import random
+
+    from k3sched.simulator import MemoryEvents, memory_timeline
+
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml", over)
+    p = plan(cfg)
+    tasks = list(p.tasks.values())
+    assert any(t.release for t in tasks)
+    if "schedule.offload=remote" in over:
+        assert any(t.alloc.peer for t in tasks)
+    ev = MemoryEvents(tasks)
+    base = {(s, "device"): 1000 + s for s in range(cfg.parallel.pp)}
+    rng = random.Random(0)
+    for skip in (set(), set(range(0, len(tasks), 3)), set(rng.sample(range(len(tasks)), len(tasks) // 2))):
+        want = memory_timeline([t for i, t in enumerate(tasks) if i not in skip], base)
+        got = ev.timeline([t.start_us for t in tasks], [t.end_us for t in tasks], skip, base)
+        assert list(got) == list(want)
+        for k in want:
+            assert got[k].base == want[k].base
+            assert got[k].times_us.tolist() == want[k].times_us.tolist()
+            assert got[k].bytes.tolist() == want[k].bytes.tolist() and got[k].bytes.dtype == want[k].bytes.dtype
