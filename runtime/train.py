@@ -539,7 +539,7 @@ def _write_trace(ex, runner, log: _StepLog, rank: int, out: Path, device, predic
         trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
         trace["traceEvents"] += runner.memory.counter_events(rank, float(t0))
         trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
-        trace["otherData"]["memory_samples_missed"] = runner.memory.missed_samples
+        trace["otherData"].update(runner.memory.trace_fields())  # [Note: measured memory] in offload/memory.py
         trace["otherData"]["plan_peak_device_bytes"] = planned_peak
         if log.routed and log.routed[-1]:  # this rank's routed slots in the traced step
             trace["otherData"]["routing"] = {str(L): {"tokens_per_expert": e, "tokens_per_slot": g}
@@ -553,8 +553,7 @@ def _gather_totals(runner, rc, ckpt, log: _StepLog, first_step: int, rank: int, 
     import torch
     import torch.distributed as dist
 
-    mem = torch.tensor([runner.memory.peak_device, runner.memory.peak_host, runner.memory.peak_peer],
-                       dtype=torch.float64)
+    mem = torch.tensor(runner.memory.totals(), dtype=torch.float64)  # device, host, peer, allocated, ...
     mems = [mem]
     if dist.is_initialized():
         mems = [torch.zeros_like(mem).to(device) for _ in range(world)]
@@ -596,6 +595,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         "peak_device_bytes_measured": [m[0] for m in mems],
         "peak_host_bytes_measured": [m[1] for m in mems],
         "peak_peer_bytes_measured": [m[2] for m in mems],
+        **runner.memory.summary_fields(mems),
         "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
         "offloaded_sets": doc["metrics"].get("offloaded_sets"),
         "racecheck": race_doc,
@@ -608,7 +608,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
     return summary
 
 
-def _print_totals(console, cfg, doc: dict, times: list[float], totals) -> None:
+def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory) -> None:
     """Rank 0's closing lines: measured against predicted step time and peak memory, routing imbalance."""
     from runtime.groups import Layout
 
@@ -624,6 +624,7 @@ def _print_totals(console, cfg, doc: dict, times: list[float], totals) -> None:
     console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
         f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx] / 2**20:.2f}"
         for r, m in enumerate(mems)))
+    console.print(memory.closing_line(mems))  # allocated / tracked / untracked bytes per rank
     if routing_doc is not None:
         console.print(f"routing imbalance (max / mean tokens per EP rank, mean over steps and MoE layers): "
                       f"{routing_doc['imbalance_mean']:.3f} (on the contiguous placement: "
@@ -679,7 +680,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         summary = _summary(args, s, doc, world, ex, runner, ckpt, log, totals, first_step, resumed_from)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if show:
-        _print_totals(console, cfg, doc, log.times, totals)
+        _print_totals(console, cfg, doc, log.times, totals, runner.memory)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,6 +1,8 @@
-"""What the memory tracker of a stage counts ([Note: measured memory] in offload/memory.py): the
-static tensors (parameters, gradients, optimizer state, gradient shard buffers) and the saved
-activations of the micro-batches in flight. The samples themselves are taken after each task
+"""What the memory tracker of a stage is told about ([Note: measured memory] in offload/memory.py):
+the static tensors (parameters, gradients, optimizer state, gradient shard buffers) and the saved
+activations of the micro-batches in flight, its *tracked* figure. Its *allocated* figure needs no
+list: the allocator sees every live allocation of the rank, so a tensor missing here shows as
+untracked bytes. The samples themselves are taken after each task
 (:meth:`~runtime.stage.offloading.OffloadOps._tracked`)."""
 
 from __future__ import annotations
