@@ -492,6 +492,12 @@ class CostModel:
             return self.grad_wire(layer)
         if kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD):
             return Wire(steps=2, terms=((nbytes, self.pp_link[0]),), latency_us=self.pp_link[1])
+        if kind is Kind.GRAD_MIRROR:
+            # a two-rank ring all-reduce of the ``nbytes`` of gradients the two model copies hold
+            # (2(n-1)/n = 1x the bytes leave each rank in 2(n-1) = 2 steps), on the link between the
+            # ``stages`` holding them ([Note: replica gradient reduction] in runtime/stage/gradients.py)
+            link = self.pp_link if stages is None else self.p2p_link(*stages)
+            return Wire(steps=2, terms=((nbytes, link[0]),), latency_us=link[1])
         return None
 
     def wire_us(self, w: Wire, lane: str) -> float:
@@ -647,7 +653,7 @@ class CostModel:
             return 0.0, 0.0
         if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
             return float(self.p2p_bytes()), 0.0
-        moved = 2 * nbytes if lane == "ep" or kind is Kind.GRAD_RS else nbytes
+        moved = 2 * nbytes if lane == "ep" or kind in (Kind.GRAD_RS, Kind.GRAD_MIRROR) else nbytes
         return float(moved), (self.overhead_us(kind) if lane == "ep" else 0.0)
 
     def comm_cpu_ns_per_byte(self) -> float:

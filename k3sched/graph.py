@@ -585,11 +585,30 @@ class _Builder:
             params, nonlayer = cost.stage_params([L for u in mine for L in self.layers[u]],
                                                  embed=any(self.is_first(u) for u in mine),
                                                  head=any(self.is_last(u) for u in mine))
+            if self.bidir:
+                deps = [self.mirror(s, deps, params)]
             self.tasks[tid] = Task(tid, Kind.OPTIM, LANE_OF[Kind.OPTIM], s, 0, None, None,
                                    duration_us=self.dur(Kind.OPTIM) + cost.optim_us(params, nonlayer), deps=deps)
             # pipedream-2bw: step 0's optimizer ranks with the stage's last backward of the step
             self.unit[tid] = (self.nv, "W", 1 << 30) if last_mb is None or step == self.steps - 1 else (mine[0], "W", last_mb)
             self.topo[tid] = len(self.topo)
+
+    def mirror(self, s: int, deps: list[str], params: int) -> str:
+        """Chimera / DualPipe: ``s{s}/step/grad.mirror``, the all-reduce of stage ``s``'s gradients
+        (its stages of both model copies) with stage pp-1-s, which holds the other copy of the same
+        two model stages ([Note: replica gradient reduction] in runtime/stage/gradients.py). It
+        waits for every gradient of the stage (``deps``, the optimizer's) and for the stage's P2P
+        sends, so the collective lane has posted them before it blocks in the reduction."""
+        pp = self.cfg.parallel.pp
+        sends = [t for (v, _), t in [*self.send_f.items(), *self.send_b.items()] if self._rank[v] == s]
+        nbytes = params * self.cost.b
+        tid = format_task_id(s, Kind.GRAD_MIRROR)
+        self.tasks[tid] = Task(tid, Kind.GRAD_MIRROR, LANE_OF[Kind.GRAD_MIRROR], s, 0, None, None,
+                               duration_us=self.cost.duration_us(Kind.GRAD_MIRROR, nbytes=nbytes, stages=(s, pp - 1 - s)),
+                               deps=deps + sends, bytes=nbytes)
+        self.unit[tid] = (self.nv, "W", 1 << 30)
+        self.topo[tid] = len(self.topo)
+        return tid
 
 
 def build_step(cfg: Config, offload: OffloadChoice | None = None) -> StepGraph:

@@ -114,9 +114,7 @@ TABLE: dict[str, Pipeline] = {p.name: p for p in (
              "DeepSeek-V3 technical report, 2024; DualPipe README", copies=2,
              checks=((lambda pp, vpp, m: bool(pp % 2 or m < 2 * pp),
                       lambda n, pp, vpp, m: f"schedule.pipeline: {n} needs an even pp and microbatches >= 2*pp; "
-                                            f"got pp {pp}, microbatches {m}"),),
-             planned_only="(bidirectional: two model copies per rank) is planned, not run: the runtime holds one "
-                          "copy per stage; run dualpipev, its one-copy V-shaped form"),
+                                            f"got pp {pp}, microbatches {m}"),)),
     Pipeline("v-half", _v_half, 2, "v", "bubble ratio ~ p/(2m) (F = B = W); peak activations (p+2)//2 "
              "micro-batches, about 1/2 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
              "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table", checks=(_v_shape(),)),
@@ -128,9 +126,7 @@ TABLE: dict[str, Pipeline] = {p.name: p for p in (
              "Large-Scale Neural Networks with Bidirectional Pipelines, SC 2021, Table 2", copies=2,
              checks=((lambda pp, vpp, m: bool(pp % 2 or m % 2),
                       lambda n, pp, vpp, m: f"schedule.pipeline: {n} needs an even pp and an even number of "
-                                            f"microbatches; got pp {pp}, microbatches {m}"),),
-             planned_only="(bidirectional: two model replicas per rank) is planned, not run: the runtime holds one "
-                          "copy per stage and does not reduce gradients between replicas"),
+                                            f"microbatches; got pp {pp}, microbatches {m}"),)),
     Pipeline("pipedream-2bw", _pipedream_2bw, 1, "loop", "no flush: steady-state idle 0; a plan of two steps "
              "idles (p-1)(F+B), bubble ratio (p-1)/(2m+p-1), half of two 1F1B steps'; two weight versions",
              "Narayanan et al., Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-2BW), ICML 2021",

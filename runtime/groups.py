@@ -23,6 +23,10 @@ Groups (``None`` where the group would have one rank):
                            (and, with schedule.grad_offload, all-gathers the dense parameter shards)
   optim_expert compute lane like ``expert``: optim.run all-gathers the expert parameter shards
                            (schedule.grad_offload; the collective lane keeps ``expert`` to itself)
+  mirror  collective lane  chimera / dualpipe only: stages s and pp-1-s of one (dp, ep) column, which
+                           hold the two model copies of the same stages; grad.mirror sums their
+                           gradients ([Note: replica gradient reduction] in runtime/stage/gradients.py;
+                           :func:`build_mirror_groups`)
   world   main thread      between steps only (loss and step-time reductions, barriers)
 Every rank creates every group in the same order (torch.distributed.new_group requires it).
 
@@ -106,6 +110,7 @@ class Groups:
     expert: object | None = None
     optim: object | None = None
     optim_expert: object | None = None
+    mirror: object | None = None
     world: object | None = None
 
     def pp_rank(self, stage: int) -> int:
@@ -140,6 +145,24 @@ def build_groups(lo: Layout, timeout=None) -> Groups:
             if lo.rank in ranks:
                 setattr(g, name, pg)
     return g
+
+
+def mirror_pairs(lo: Layout) -> list[list[int]]:
+    """The ``mirror`` groups (chimera, dualpipe): ranks of stages s and pp-1-s with the same
+    (dp, ep), for s < pp/2 (pp is even for these schedules)."""
+    r = lo.rank_of
+    return [sorted([r(s, d, e), r(lo.pp - 1 - s, d, e)]) for s in range(lo.pp // 2) for d in range(lo.dp)
+            for e in range(lo.ep)]
+
+
+def build_mirror_groups(groups: Groups, timeout=None) -> None:
+    """Create the ``mirror`` groups of [Note: rank layout] (every rank, same order) into
+    ``groups.mirror``; only for the schedules with two model copies."""
+    lo = groups.layout
+    for ranks in mirror_pairs(lo):
+        pg = dist.new_group(ranks, timeout=timeout)
+        if lo.rank in ranks:
+            groups.mirror = pg
 
 
 def p2p_edges(vstage_rank: Sequence[int]) -> list[tuple[str, int, int]]:
@@ -228,7 +251,8 @@ def group_orders(lanes: Mapping[str, list[PlanTask]]) -> dict[str, list[list]]:
     ep = [_sig(t) for t in lanes["ep"]]
     rs = [_sig(t) for t in lanes["collective"] if t.kind is Kind.GRAD_RS]
     optim = [_sig(t) for t in lanes["compute"] if t.kind is Kind.OPTIM]
-    return {"ep": ep, "dense": rs, "expert": rs, "optim": optim, "optim_expert": optim}
+    mirror = [_sig(t) for t in lanes["collective"] if t.kind is Kind.GRAD_MIRROR]
+    return {"ep": ep, "dense": rs, "expert": rs, "optim": optim, "optim_expert": optim, "mirror": mirror}
 
 
 def p2p_order(lanes: Mapping[str, list[PlanTask]], peer_of) -> dict[str, dict[int, list]]:
@@ -255,10 +279,10 @@ class GroupOrderError(RuntimeError):
 def verify_orders(groups: Groups, lanes: Mapping[str, list[PlanTask]], peer_of, stage: int) -> None:
     """All-gather each group's ordered collective list and fail fast naming the first mismatch.
 
-    Equal-order groups (ep, dense, expert, optim) must agree exactly; on the pp group, the sends of
+    Equal-order groups (ep, dense, expert, optim, mirror) must agree exactly; on the pp group, the sends of
     stage a to stage b must be, in order, the receives of b from a."""
     orders = group_orders(lanes)
-    for name in ("ep", "dense", "expert", "optim", "optim_expert"):
+    for name in ("ep", "dense", "expert", "optim", "optim_expert", "mirror"):
         pg = getattr(groups, name)
         if pg is None:
             continue

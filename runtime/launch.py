@@ -130,6 +130,9 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
         raise ValueError(str(e)) from None
     if cfg.schedule.pipeline in PLANNED_ONLY:
         raise ValueError(f"schedule.pipeline: {cfg.schedule.pipeline} {PLANNED_ONLY[cfg.schedule.pipeline]}")
+    if PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2 and cfg.schedule.grad_offload:
+        raise ValueError(f"schedule.grad_offload: {cfg.schedule.pipeline} sums its two model copies' gradients on the "
+                         "device (grad.mirror), the host shards do not; set schedule.grad_offload false")
     world = cfg.parallel.world
     if nproc is not None and nproc != world:
         p = cfg.parallel

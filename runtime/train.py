@@ -430,7 +430,7 @@ def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
     """(spec, lanes, runner) of this rank's stage: its P2P and remote groups built and warmed up,
     the runner bound to the plan, fault injection set."""
     from runtime.executor import stage_lanes
-    from runtime.groups import build_p2p_groups, p2p_edges, warm_up_p2p
+    from runtime.groups import build_mirror_groups, build_p2p_groups, p2p_edges, warm_up_p2p
     from runtime.stage import StageRunner, StageSpec, build_remote_group
 
     opts, stage = s.opts, groups.layout.pp_idx
@@ -439,6 +439,8 @@ def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
     remote_group = build_remote_group(groups, doc, timeout=s.timeout)
     strict = args.p2p == "strict" and not s.use_cuda  # NCCL is strict by itself
     build_p2p_groups(groups, p2p_edges(spec.vstage_rank), ready=strict, timeout=s.timeout)
+    if spec.copies == 2:  # [Note: replica gradient reduction] in runtime/stage/gradients.py
+        build_mirror_groups(groups, timeout=s.timeout)
     warm_up_p2p(groups, args.timeout, s.device)  # [Note: NCCL-safe P2P]
     runner = StageRunner(s.cfg, spec, groups, seed=s.seed, lr=args.lr, weight_decay=args.weight_decay,
                          device=s.device, fail_task=opts.fail_task, remote_group=remote_group,

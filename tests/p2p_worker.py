@@ -2,7 +2,7 @@
 order on one communicator in both P2P modes.
 
 ``python -m torch.distributed.run ... tests/p2p_worker.py SPEC.json``; SPEC holds ``runs`` (each:
-``out``, ``overrides``, ``p2p``, ``steps``) and ``crossing`` (an output directory). Each run is
+``out``, ``overrides``, ``p2p``, ``steps``, optionally ``args``) and ``crossing`` (an output directory). Each run is
 ``runtime.train.main`` itself (plan, groups, P2P warm-up, executor, summary.json), on one default
 process group kept across the runs (launching torchrun once per run costs ~10 s of start-up on a
 2-core machine; a run here costs well under one). A failing run exits the process as a launched
@@ -49,6 +49,7 @@ def _runs(spec: dict) -> None:
                     "--quiet", "--p2p", run["p2p"], "--timeout", str(spec.get("timeout_s", 60))]
             for o in run["overrides"]:
                 argv += ["--set", o]
+            argv += run.get("args", [])  # further runtime.train arguments (e.g. --dump-params)
             t0 = time.monotonic()
             rc = train.main(argv)
             Path(run["out"], f"wall_rank{dist.get_rank()}.txt").write_text(f"{time.monotonic() - t0:.3f}\n")

@@ -273,8 +273,8 @@ def test_p2p_edges():
 
 # -- distributed: every schedule in strict mode ---------------------------------------------------
 
-# every generated schedule the runtime executes (tiny shapes, PP 2); dualpipe is planned only
-# (runtime.launch.PLANNED_ONLY: `k3sched run` refuses it in one line, tested below)
+# every generated schedule the runtime executes (tiny shapes, PP 2; runtime.launch.PLANNED_ONLY lists
+# those it does not)
 RUNTIME_SCHEDULES = sorted(set(GENERATORS) - set(PLANNED_ONLY))
 LIMIT_S = 240.0
 
@@ -328,11 +328,14 @@ def test_k3sched_run_strict_end_to_end(tmp_path):
     assert s["p2p"] == "strict" and s["pipeline"] == "zb-v" and len(s["losses"]) == 1
 
 
-def test_run_refuses_a_planned_only_schedule_in_one_line(tmp_path):
+def test_run_refuses_dualpipe_with_host_gradient_shards_in_one_line(tmp_path):
+    # dualpipe runs (tests/test_bidir_run.py), but not with the host gradient shards: its two model
+    # copies' gradients are summed on the device ([Note: replica gradient reduction])
     from typer.testing import CliRunner
 
     from k3sched.cli import app
 
     res = CliRunner().invoke(app, ["run", str(TINY), "--out", str(tmp_path / "o"), "--set",
-                                   "schedule.pipeline=dualpipe", "--set", "parallel.vpp=1"])
-    assert res.exit_code == 2 and "dualpipe" in res.output and "planned, not run" in res.output, res.output
+                                   "schedule.pipeline=dualpipe", "--set", "parallel.vpp=1", "--set",
+                                   "schedule.grad_offload=true"])
+    assert res.exit_code == 2 and "dualpipe" in res.output and "schedule.grad_offload" in res.output, res.output

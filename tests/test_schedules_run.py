@@ -4,7 +4,8 @@ The planned peak activation memory (device peak minus the stage's static bytes) 
 equal stages; ``compare`` rows; Chimera's two parameter copies; V-Half and V-Min trained 3 steps
 on 2 ranks (gloo, one torchrun launch for both, as tests/test_p2p.py does) with the losses of the
 one-process synchronous reference (runtime/reference.py) and traces that validate against their
-plan; Chimera refused by ``k3sched run`` in one line (runtime.launch.PLANNED_ONLY).
+plan; Chimera with ``schedule.grad_offload`` refused by ``k3sched run`` in one line (Chimera itself
+runs: tests/test_bidir_run.py).
 """
 
 from __future__ import annotations
@@ -65,15 +66,19 @@ def test_chimera_plans_two_parameter_copies_and_compare_lists_every_schedule():
     assert by["v-half"].vpp == 2 and by["v-min"].vpp == 2 and by["chimera"].vpp == 1
 
 
-def test_run_refuses_chimera_in_one_line(tmp_path):
+def test_run_refuses_chimera_with_host_gradient_shards_in_one_line(tmp_path):
+    # chimera runs (tests/test_bidir_run.py); its copies' gradients are summed on the device, which
+    # schedule.grad_offload's host shards would bypass
     from typer.testing import CliRunner
 
     from k3sched.cli import app
 
     res = CliRunner().invoke(app, ["run", str(TINY), "--out", str(tmp_path / "o"), "--set",
-                                   "schedule.pipeline=chimera", "--set", "parallel.vpp=1"])
-    assert res.exit_code == 2 and "chimera" in res.output and "planned, not run" in res.output, res.output
+                                   "schedule.pipeline=chimera", "--set", "parallel.vpp=1", "--set",
+                                   "schedule.grad_offload=true"])
+    assert res.exit_code == 2 and "chimera" in res.output and "schedule.grad_offload" in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "summary.json").exists()
 
 
 @pytest.mark.parametrize("name,vpp", [("v-half", 2), ("v-min", 2), ("chimera", 1)])

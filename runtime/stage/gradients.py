@@ -2,7 +2,31 @@
 gradients: non-expert weights over the dense group (ep*dp replicas), expert weights over the expert
 group (dp replicas); the replicas of a replicated expert then sum theirs ([Note: expert placement]
 in k3sched/balance.py). With ``schedule.grad_offload`` grad.rs is :class:`offload.GradShards`'
-instead ([Note: sharded gradients])."""
+instead ([Note: sharded gradients]). grad.mirror -> all-reduce (sum) of every gradient of the stage
+with the stage holding the other model copy (chimera, dualpipe).
+
+[Note: replica gradient reduction]
+The bidirectional schedules (chimera, dualpipe; [Note: dualpipe mapping] in
+k3sched/schedule_generators.py) train two copies of the model: rank r holds model stage r of the
+down copy and model stage pp-1-r of the up copy, so ranks r and pp-1-r (same dp and ep index: the
+``mirror`` group of runtime/groups.py) hold the same two model stages, with the same parameter
+names, the same expert slice and, from ``init_full_state`` of one seed, the same initial weights.
+Micro-batches 0..M/2-1 go down and M/2..M-1 up, so each copy accumulates the gradient of its half.
+One task per rank, ``s{r}/step/grad.mirror`` on the collective lane, sums every gradient of the
+rank (both model stages, embedding, head; after grad.rs, which reduced each over the stage's DP/EP
+replicas) with its partner's in one flat all-reduce: both copies then hold the gradient of all M
+micro-batches, the reference's, and take identical AdamW steps (a + b == b + a in floating point,
+so the two sums agree bit for bit). The planner (k3sched/graph.py ``mirror``) places it after the
+rank's last gradient work and P2P send and before optim.run, and prices it as a two-rank ring
+all-reduce of the rank's gradient bytes on the link between the two ranks (k3sched/cost.py
+``wire``). One reduction per rank rather than one per layer: the two ranks' collective lanes are
+mirror images of each other, so per-layer reductions would have to be issued in one agreed order
+across them; one call has no order to agree on (runtime/groups.py checks it at start-up anyway).
+Its start is planned from the rank's own work: the partner's is about as late, as Chimera's and
+DualPipe's orders are symmetric between ranks r and pp-1-r. Not combined with
+``schedule.grad_offload`` (the layers' gradients then live in host shards; ``k3sched run`` refuses
+it in one line).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +60,18 @@ class GradientOps:
             self._sum_replicas(expert, self.model.layers[t.layer].local_experts)
         for n, p in bucket:
             handoff.write(p.grad, f"L{t.layer}.{n}.grad")
+
+    def _grad_mirror(self, t: PlanTask) -> None:
+        """[Note: replica gradient reduction]: sum every gradient of the stage with the other copy's."""
+        if self.gshards is not None:
+            raise RuntimeError(f"{t.id}: schedule.grad_offload keeps the gradients in host shards, which grad.mirror "
+                               "does not reduce (k3sched run refuses the combination)")
+        if self.groups.mirror is None:
+            raise RuntimeError(f"{t.id}: no mirror group (runtime.groups.build_mirror_groups)")
+        named = sorted(self.model.named_parameters(), key=lambda kv: kv[0])
+        _allreduce_grads([p for _, p in named], self.groups.mirror)
+        for n, p in named:
+            handoff.write(p.grad, f"{n}.grad (grad.mirror)")
 
     def _sum_replicas(self, params: list[nn.Parameter], local_experts: tuple[int, ...]) -> None:
         """[Note: expert placement] (k3sched/balance.py) Sum the gradients of every replicated expert's replicas (after

@@ -170,7 +170,7 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
             Kind.SHARED_DX: self._shared_dx,
             Kind.FWD_SEND: self._send, Kind.BWD_SEND: self._send,
             Kind.FWD_RECV: self._recv, Kind.BWD_RECV: self._recv,
-            Kind.GRAD_RS: self._grad_rs,
+            Kind.GRAD_RS: self._grad_rs, Kind.GRAD_MIRROR: self._grad_mirror,
             Kind.ACT_OFFLOAD: self._offload, Kind.ACT_ONLOAD: self._onload,
             Kind.ACT_ROFFLOAD: self._roffload, Kind.ACT_RSTORE: self._rstore,
             Kind.ACT_RSERVE: self._rserve, Kind.ACT_RONLOAD: self._ronload,

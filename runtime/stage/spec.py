@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from k3sched.config import Config
 from k3sched.graph import placement_for, split_layers
+from k3sched.pipelines import TABLE as PIPELINE_TABLE
 from k3sched.tasks import Kind
 from moe import MoEModel, MoEModelArgs, init_full_state
 
@@ -29,13 +30,21 @@ def model_args(cfg: Config) -> MoEModelArgs:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """Which chunks (virtual stages) and layers a PP stage holds."""
+    """Which chunks (virtual stages) and layers a PP stage holds.
+
+    With ``copies`` 2 (chimera, dualpipe: [Note: dualpipe mapping] in
+    k3sched/schedule_generators.py) the ``num_vstages = 2 pp`` vstages are two copies of the model's
+    ``pp`` stages: vstage ``v < pp`` is model stage v of the down copy, ``pp + k`` model stage k of
+    the up copy (``vstage_layers`` repeats the split). Stage r holds model stages r and pp-1-r, whose
+    layers differ, so one ``MoEModel`` holds both (and the embedding and head, when r is an end
+    stage: the first stage of one copy is the last of the other)."""
 
     stage: int
     num_vstages: int
     chunk_vstage: dict[int, int]  # local chunk -> vstage
     vstage_rank: tuple[int, ...]  # vstage -> PP stage
     vstage_layers: tuple[tuple[int, ...], ...]
+    copies: int = 1
 
     @classmethod
     def of(cls, cfg: Config, stage: int) -> StageSpec:
@@ -43,24 +52,43 @@ class StageSpec:
         nv = pl.num_stages
         located = [pl.locate(v) for v in range(nv)]
         layers = split_layers(cfg)  # the planner's split (a vstage may hold no layer, e.g. head only)
+        copies = PIPELINE_TABLE[cfg.schedule.pipeline].copies
+        if copies == 2:
+            layers = layers + layers
         return cls(stage, nv, {c: v for v, (r, c) in enumerate(located) if r == stage},
-                   tuple(r for r, _ in located), tuple(tuple(ls) for ls in layers))
+                   tuple(r for r, _ in located), tuple(tuple(ls) for ls in layers), copies)
+
+    @property
+    def model_stages(self) -> int:
+        """Stages of one model copy (``num_vstages`` with one copy)."""
+        return self.num_vstages // self.copies
 
     def input_index(self, v: int) -> int:
-        """Index in ``MicroBatch.acts`` / ``grads`` of vstage ``v``'s input (its layers' count before it)."""
+        """Index in ``MicroBatch.acts`` / ``grads`` of vstage ``v``'s input (its layers' count before it;
+        the up copy's vstage ``pp + k`` starts where model stage k does. ``v = pp`` is read as the up
+        copy's first vstage: the down copy's last one ends in the head, whose output is no vstage's)."""
+        n = self.model_stages
+        if v == self.num_vstages:  # the end of the model
+            v = n
+        elif v >= n:  # the up copy's model stage v - n
+            v -= n
         return sum(len(ls) for ls in self.vstage_layers[:v])
 
     @property
     def layers(self) -> list[int]:
-        return sorted(L for v in self.chunk_vstage.values() for L in self.vstage_layers[v])
+        return sorted({L for v in self.chunk_vstage.values() for L in self.vstage_layers[v]})
 
     @property
     def has_embed(self) -> bool:
-        return 0 in self.chunk_vstage.values()
+        """The stage runs the first vstage of a copy (0, or ``pp`` for the up copy)."""
+        return bool({0, self.model_stages} & set(self.chunk_vstage.values())) if self.copies == 2 \
+            else 0 in self.chunk_vstage.values()
 
     @property
     def has_head(self) -> bool:
-        return self.num_vstages - 1 in self.chunk_vstage.values()
+        """The stage runs the last vstage of a copy (``num_vstages - 1``, or ``pp - 1`` for the down copy)."""
+        last = {self.num_vstages - 1} | ({self.model_stages - 1} if self.copies == 2 else set())
+        return bool(last & set(self.chunk_vstage.values()))
 
     def p2p_peer(self, t: PlanTask) -> tuple[int, list]:
         """(peer PP stage, pairing key) of a P2P task: the key names the transfer the same way on
