@@ -70,12 +70,22 @@ def split_layers(cfg: Config) -> list[list[int]]:
         from .rebalance import profile_split, times_from_profile
 
         return profile_split(times_from_profile(cfg), nv)
-    cost = CostModel(cfg)
-    fwd = {False: (Kind.ATTN_FWD, Kind.MLP_FWD), True: (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.EXPERT_FWD)}
-    w = [sum(3 * cost.flops(k) for k in fwd[cfg.model.is_moe(L)]) for L in range(cfg.model.layers)]
-    head = sum(cost.flops(k) for k in (Kind.HEAD_FWD, Kind.HEAD_DX, Kind.HEAD_DW))
-    embed = sum(cost.flops(k) for k in (Kind.EMBED_FWD, Kind.EMBED_DW))
-    return _min_max_split(w, nv, first_extra=embed, last_extra=head)
+    key = cfg.model_dump_json()  # a pure function of the config: one plan asks three times
+    if key not in _BALANCED:
+        cost = CostModel(cfg)
+        fwd = {False: (Kind.ATTN_FWD, Kind.MLP_FWD),
+               True: (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.EXPERT_FWD)}
+        w = [sum(3 * cost.flops(k) for k in fwd[cfg.model.is_moe(L)]) for L in range(cfg.model.layers)]
+        head = sum(cost.flops(k) for k in (Kind.HEAD_FWD, Kind.HEAD_DX, Kind.HEAD_DW))
+        embed = sum(cost.flops(k) for k in (Kind.EMBED_FWD, Kind.EMBED_DW))
+        if len(_BALANCED) >= 32:
+            _BALANCED.clear()
+        _BALANCED[key] = _min_max_split(w, nv, first_extra=embed, last_extra=head)
+    return [list(g) for g in _BALANCED[key]]
+
+
+_BALANCED: dict[str, list[list[int]]] = {}
+"""Balanced splits by config (its JSON): the limits, the graph and the memory bound each need it."""
 
 
 def _min_max_split(w: list[float], parts: int, first_extra: float, last_extra: float) -> list[list[int]]:
