@@ -106,3 +106,83 @@ def test_slices_run_out_of_order_are_refused() -> None:
     with pytest.raises(RuntimeError, match="attn.dx of slice 0 of layer 2: needs the key / value gradients of the "
                                            "1 later slice"):
         model.run(Kind.ATTN_DX, s0, 2)
+
+
+# -- the runtime: sliced runs on 2 ranks (gloo, one torchrun launch, as tests/test_p2p.py does) ------------
+
+BASE = ["parallel.microbatches=2", "model.layers=4", "model.dense_layers=1", "model.micro_batch_size=2",
+        "schedule.offload=none"]
+PP2 = BASE + ["parallel.ep=1", "parallel.pp=2"]
+RUNS = {  # name -> (overrides, p2p mode, the slice bounds the run must use)
+    "pp2_s2_even": (PP2 + ["model.seq_len=16", "parallel.seq_chunks=2"], "buffered", [(0, 8), (8, 16)]),
+    "pp2_s4_compute_strict_gradoffload": (PP2 + ["model.seq_len=18", "parallel.seq_chunks=4", "parallel.seq_split=compute",
+                                                 "schedule.grad_offload=true"], "strict",
+                                          [(0, 5), (5, 9), (9, 14), (14, 18)]),
+    "ep2_s4_even": (BASE + ["parallel.ep=2", "parallel.pp=1", "model.seq_len=16", "parallel.seq_chunks=4"], "buffered",
+                    [(0, 4), (4, 8), (8, 12), (12, 16)]),
+}
+LIMIT_S = 240.0
+
+
+@pytest.mark.slow
+def test_sliced_runs_train_like_the_unsliced_reference_and_their_traces_validate(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from k3sched.config import load_config
+    from k3sched.seqslice import slice_bounds
+    from runtime.launch import _run_env, free_port, kill_group
+    from runtime.reference import reference_run
+
+    from conftest import CONFIGS, ROOT
+
+    tiny = CONFIGS / "tiny-cpu.yaml"
+    spec = {"runs": [{"out": str(tmp_path / n), "overrides": ov, "p2p": p2p, "steps": 3}
+                     for n, (ov, p2p, _) in RUNS.items()], "timeout_s": 90}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(ROOT / "tests" / "p2p_worker.py"),
+           str(tmp_path / "spec.json")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(None), start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the runs took longer than {LIMIT_S:.0f} s")
+    finally:
+        kill_group(proc)
+    errors = "".join(p.read_text() for p in tmp_path.glob("*/error_rank*.txt"))
+    assert proc.returncode == 0, out[-3000:] + errors[-3000:]
+    for name, (ov, _, bounds) in RUNS.items():
+        d = tmp_path / name
+        cfg = load_config(tiny, ov)
+        assert slice_bounds(cfg) == bounds, name
+        doc = json.loads((d / "plan.json").read_text())
+        sliced = {t["slice"] for s in doc["stages"] for ts in s["lanes"].values() for t in ts if "slice" in t}
+        assert sliced == set(range(len(bounds))), name  # the plan's tasks are per slice
+        losses = json.loads((d / "summary.json").read_text())["losses"]
+        ref = reference_run(cfg, 3)  # one process, whole sequences: the unsliced model
+        assert losses == pytest.approx(ref.losses, rel=1e-5, abs=0), name
+        traces = sorted(str(p) for p in d.glob("trace_rank*.json"))
+        assert len(traces) == 2
+        v = subprocess.run([sys.executable, "-m", "k3sched.cli", "validate", "--plan", str(d / "plan.json"), *traces],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert v.returncode == 0, name + ": " + v.stdout[-2000:] + v.stderr[-2000:]
+
+
+def test_run_refuses_sliced_activation_storage_it_does_not_run_in_one_line():
+    from runtime.launch import check_run, sliced_run_error
+
+    from conftest import CONFIGS
+
+    with pytest.raises(ValueError) as e:
+        check_run(CONFIGS / "tiny-cpu.yaml", PP2 + ["model.seq_len=16", "parallel.seq_chunks=2",
+                                                    "schedule.act_quant=fp8"], None, None)
+    assert "\n" not in str(e.value) and str(e.value).startswith("schedule.act_quant: fp8") and "seq_chunks 2" in str(e.value)
+    from k3sched.config import load_config
+
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml", PP2 + ["model.seq_len=16", "parallel.seq_chunks=2"])
+    msg = sliced_run_error(cfg, {"attn.fwd", "act.offload", "act.onload"})
+    assert msg is not None and msg.startswith("schedule.offload:") and "act.offload" in msg and "\n" not in msg
+    assert sliced_run_error(cfg, {"attn.fwd", "gshard.add"}) is None

@@ -54,7 +54,8 @@ class ModelOps:
         return out
 
     def _model_task(self, t: PlanTask) -> None:
-        mb = self.mbs[t.mb]
+        key = self.state_key(t)
+        mb = self.mbs[key]
         if t.kind is Kind.ROUTER_BWD:  # after shared.dx and dispatch.bwd: [Note: partial input gradients]
             mb.layers[t.layer].fold_grad_xn_shared()
         if self.gshards is not None and t.kind in GRAD_WRITERS:
@@ -63,27 +64,30 @@ class ModelOps:
         else:
             self.model.run(t.kind, mb, t.layer, self.groups.ep)
         if t.kind is Kind.HEAD_DX:
-            self._keep_up(t.mb, self.args.layers, mb.grads[self.args.layers])
+            self._keep_up(key, self.args.layers, mb.grads[self.args.layers])
         elif t.kind is Kind.ATTN_DX:
-            self._keep_up(t.mb, t.layer, mb.grads[t.layer])
+            self._keep_up(key, t.layer, mb.grads[t.layer])
 
-    def _keep_up(self, mb: int, idx: int, g: Tensor) -> None:
-        """Keep the gradient of layer ``idx``'s input for shared.dx of layer ``idx - 1`` (if here)."""
+    def _keep_up(self, state, idx: int, g: Tensor) -> None:
+        """Keep the gradient of layer ``idx``'s input for shared.dx of layer ``idx - 1`` (if here);
+        ``state`` is the task state's key (:meth:`StageRunner.state_key`)."""
         below = idx - 1
         if below in self._shared_layers:
-            self._up[(mb, idx)] = g
-            handoff.cell(self._up, (mb, idx), True, f"mb{mb}.grads[{idx}] (kept for shared.dx)")
+            self._up[(state, idx)] = g
+            handoff.cell(self._up, (state, idx), True, f"{self.mbs[state].label}.grads[{idx}] (kept for shared.dx)")
 
     def _shared_dx(self, t: PlanTask) -> None:
-        lc = self.mbs[t.mb].layers[t.layer]
+        state = self.state_key(t)
+        mb = self.mbs[state]
+        lc = mb.layers[t.layer]
         if lc.shared is None:
             return
-        key = (t.mb, t.layer + 1)
-        handoff.cell(self._up, key, False, f"mb{t.mb}.grads[{t.layer + 1}] (kept for shared.dx)", key in self._up)
+        key, what = (state, t.layer + 1), f"{mb.label}.grads[{t.layer + 1}]"
+        handoff.cell(self._up, key, False, f"{what} (kept for shared.dx)", key in self._up)
         grad_y = self._up.pop(key)
-        handoff.cell(self._up, key, True, f"mb{t.mb}.grads[{t.layer + 1}] (kept for shared.dx)")
+        handoff.cell(self._up, key, True, f"{what} (kept for shared.dx)")
         handoff.handoff(grad_y)  # made on the compute or collective lane: [Note: cross-lane handoff]
-        handoff.read(grad_y, f"mb{t.mb}.grads[{t.layer + 1}]")
+        handoff.read(grad_y, what)
         g = lc.shared.backward_dx({"out": grad_y.reshape(-1, grad_y.shape[-1])})["xn"]
         if self.unsafe_shared_dx:
             lc.add_grad_xn(g)

@@ -3,7 +3,10 @@
 (:class:`PendingSends`: a send never blocks its lane, so a lane's later receive cannot deadlock
 behind it); act.recv / grad.recv -> ``irecv`` + wait inside the task (a receive posted in plan
 order waits for its send; gloo moves the bytes once both are posted, so the transfer time lands in
-the receive); under ``--p2p strict`` both go through :class:`P2PStream` ([Note: strict P2P])."""
+the receive); under ``--p2p strict`` both go through :class:`P2PStream` ([Note: strict P2P]).
+A sliced micro-batch sends and receives per slice: a slice's tensor holds its token range of each
+sequence (``[B, end - start, D]``, the receive's shape from its state's bounds, i.e.
+``k3sched.seqslice.slice_bounds``) and its tag names the slice."""
 
 from __future__ import annotations
 
@@ -172,9 +175,11 @@ class P2POps:
         v = self.spec.chunk_vstage[t.chunk]
         return self.spec.input_index(v), self.spec.input_index(v + 1)
 
-    def _tag(self, key: list) -> int:
+    def _tag(self, key: list, slice: int | None = None) -> int:
+        """The transfer's tag: unique per (direction, micro-batch, slice, from-vstage, to-vstage)."""
         d, mb, src, dst = key
-        return ((mb * self.spec.num_vstages + dst) * 2 + (d == "grad")) * self.spec.num_vstages + src
+        unit = mb * self.cfg.parallel.seq_chunks + (slice or 0)  # = mb without slices
+        return ((unit * self.spec.num_vstages + dst) * 2 + (d == "grad")) * self.spec.num_vstages + src
 
     def _p2p_group(self, key: tuple[str, int, int]):
         g = self.groups.p2p.get(key)
@@ -184,7 +189,7 @@ class P2POps:
 
     def _send(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
-        mb = self.mbs[t.mb]
+        mb = self.mbs[self.state_key(t)]
         first, out = self._boundaries(t)
         idx = out if t.kind is Kind.FWD_SEND else first
         buf = mb.acts[idx] if t.kind is Kind.FWD_SEND else mb.grads[idx]
@@ -192,7 +197,7 @@ class P2POps:
             raise RuntimeError(f"nothing to send: {'acts' if t.kind is Kind.FWD_SEND else 'grads'}[{idx}] is empty")
         buf = buf.contiguous()
         ck = (key[0], self.spec.stage, peer)
-        group, dst, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key)
+        group, dst, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key, t.slice)
         if self.streams is None:
             work = dist.isend(buf, dst=dst, group=group, tag=tag)
         else:  # [Note: strict P2P]
@@ -207,11 +212,16 @@ class P2POps:
 
     def _recv(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
-        mb = self.mbs[t.mb]
+        state = self.state_key(t)
+        mb = self.mbs[state]
         first, out = self._boundaries(t)
-        buf = torch.empty(self.act_shape, dtype=self.args.torch_dtype, device=self.device)
+        shape = self.act_shape
+        if mb.slice is not None:  # a slice's rows: its token range of each sequence
+            start, end = mb.bounds
+            shape = (shape[0], end - start, shape[2])
+        buf = torch.empty(shape, dtype=self.args.torch_dtype, device=self.device)
         ck = (key[0], peer, self.spec.stage)
-        group, src, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key)
+        group, src, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key, t.slice)
         if self.streams is None:
             dist.irecv(buf, src=src, group=group, tag=tag).wait()
         else:  # [Note: strict P2P]
@@ -222,4 +232,4 @@ class P2POps:
             mb.acts[first] = buf
         else:
             mb.grads[out] = buf
-            self._keep_up(t.mb, out, buf)
+            self._keep_up(state, out, buf)

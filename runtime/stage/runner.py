@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from k3sched.config import Config
+from k3sched.seqslice import slice_bounds
 from k3sched.tasks import Kind
 from moe import LayerCtx, MicroBatch, MoEModel
 
@@ -20,6 +21,7 @@ from offload.gradshard import GradShards
 
 from ..executor import Handler, PlanTask
 from ..groups import Groups
+from ..launch import sliced_run_error
 from .faults import FaultInjection
 from .gradients import GradientOps
 from .memory import MemorySampling
@@ -81,8 +83,9 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
                                     extra_host=lambda: self.gshards.host_bytes() if self.gshards else 0,
                                     in_flight=self.sends.buffers)
         self.replicas = lo.ep * lo.dp
-        self.mbs: dict[int, MicroBatch] = {}
-        self._up: dict[tuple[int, int], Tensor] = {}  # (mb, layer index of grads) -> upstream grad
+        self.mbs: dict[int | tuple[int, int], MicroBatch] = {}
+        """Task states of the step by :meth:`state_key`: micro-batch m, or (m, j) per slice j."""
+        self._up: dict[tuple, Tensor] = {}  # (state key, layer index of grads) -> upstream grad
         if p2p not in P2P_MODES:
             raise ValueError(f"p2p: one of {', '.join(P2P_MODES)}; got {p2p!r}")
         self.p2p_timeout_s = p2p_timeout_s
@@ -103,6 +106,10 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
     # -- plan-dependent set-up -------------------------------------------------------------------
     def bind_plan(self, lanes: Mapping[str, list[PlanTask]]) -> None:
         """Read what the handlers need from the plan: the bucket count of each layer's grad.rs."""
+        if self.cfg.parallel.seq_chunks > 1:
+            err = sliced_run_error(self.cfg, {t.kind.value for ts in lanes.values() for t in ts})
+            if err:
+                raise ValueError(err)
         for t in lanes["collective"]:
             if t.kind is Kind.GRAD_RS:
                 key = (t.chunk, t.layer)
@@ -131,16 +138,27 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         self._up.clear()
         self._bwd_left = dict(self._bwd_count)
         self.memory.begin_step()
+        bounds = slice_bounds(cfg) if cfg.parallel.seq_chunks > 1 else None
         for m in range(M):
             if self.data is not None:
                 tokens, targets = self.data.batch(m)
             else:
                 tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
                                                   cfg.model.seq_len, cfg.model.vocab)
-            mb = self.model.new_microbatch(tokens.to(self.device), targets.to(self.device), index=m,
-                                           loss_scale=1.0 / (M * self.replicas))
-            mb.layers = [LayerCtx(i, self.args.is_moe_layer(i), label=f"mb{m}/L{i}") for i in range(self.args.layers)]
-            self.mbs[m] = mb
+            tokens, targets, scale = tokens.to(self.device), targets.to(self.device), 1.0 / (M * self.replicas)
+            if bounds is None:
+                states = [self.model.new_microbatch(tokens, targets, index=m, loss_scale=scale)]
+            else:  # one state per slice ([Note: sequence slices in the model] in moe/model.py)
+                states = self.model.new_slices(tokens, targets, bounds, index=m, loss_scale=scale)
+            for mb in states:
+                mb.layers = [LayerCtx(i, self.args.is_moe_layer(i), label=f"{mb.label}/L{i}")
+                             for i in range(self.args.layers)]
+                self.mbs[m if mb.slice is None else (m, mb.slice)] = mb
+
+    @staticmethod
+    def state_key(t: PlanTask) -> int | tuple[int, int]:
+        """The key in :attr:`mbs` of task ``t``'s state: its micro-batch, or (micro-batch, slice)."""
+        return t.mb if t.slice is None else (t.mb, t.slice)
 
     def end_step(self) -> float:
         """Wait for outstanding sends; return this rank's loss contribution (sum over its
