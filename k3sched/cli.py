@@ -227,6 +227,10 @@ def plan(
     except P2PDeadlock as e:
         fail(str(e))
     console.print(summary_table(p))
+    if cfg.parallel.seq_chunks > 1:  # [Note: sequence slices] in k3sched/seqslice.py
+        from .seqslice import slices_line
+
+        console.print(slices_line(p), highlight=False, markup=False)
     if cfg.parallel.world > 1:
         for line in cli_plan.placement_lines(p):
             console.print(line, highlight=False, markup=False)
@@ -265,11 +269,27 @@ def compare(
     orders: bool = typer.Option(False, "--orders", help="Instead: plan the config under every rank order "
                                                         "(parallel.order) and list each with its predicted step and "
                                                         "the link of each group (k3sched/placement.py)."),
+    seq_chunks: Optional[str] = typer.Option(None, "--seq-chunks", help="Instead: plan the config for each of these "
+                                                                       "sequence slice counts, e.g. 1,2,4,8 (Seq1F1B, "
+                                                                       "parallel.seq_chunks) and list step, peak "
+                                                                       "device memory and largest slice time."),
+    seq_split: str = typer.Option("even,compute", "--seq-split", help="With --seq-chunks: the splits to plan "
+                                                                      "(parallel.seq_split), comma-separated."),
 ) -> None:
     """Plan one config under every pipeline schedule (k3) and serial; print a comparison table."""
     from .compare import compare_command
 
     cfg = _load(config, set_)
+    if seq_chunks is not None:
+        from .compare import compare_slices, parse_int_list, render_slices
+
+        try:
+            rows = compare_slices(cfg, parse_int_list("--seq-chunks", seq_chunks),
+                                  [s.strip() for s in seq_split.split(",")])
+        except ConfigError as e:
+            fail(str(e))
+        console.print(render_slices(rows, cfg))
+        raise typer.Exit(0 if any(r.step_us is not None for r in rows) else 1)
     if orders:
         from .compare import compare_orders, render_orders
 

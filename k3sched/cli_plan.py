@@ -84,6 +84,10 @@ def exact_line(p, order: str, time_limit: float) -> str:
     if order == "free":
         from .exact import free_report
 
+        if p.cfg.parallel.seq_chunks > 1:
+            raise ValueError("order free is not available for sliced plans (parallel.seq_chunks > 1): its model "
+                             "keys activation sets by (stage, micro-batch, layer); use --exact-order backbone")
+
         rep = free_report(p.cfg, p, deterministic_time=time_limit)
         ref = "optimum" if rep["status"] == "OPTIMAL" else "CP-SAT bound"
         return (f"exact, order free, budget {rep['budget_bytes'] / 2**30:.4g} GiB ({rep['status']}, "

@@ -334,3 +334,77 @@ def render_orders(rows: list[OrderRow], current: str) -> "Table":
         t.add_row(r.order + mark, f"{r.step_us / 1e3:.3f}", vs, r.links.get("ep", "-"), r.links.get("dense", "-"),
                   r.links.get("expert", "-"), f"{r.p2p_nvlink_pairs}/{r.p2p_nic_pairs}")
     return t
+
+
+@dataclass
+class SliceRow:
+    """One sequence-slicing variant of a config ([Note: sequence slices] in k3sched/seqslice.py):
+    its predicted step, planned peak device memory (largest stage) and largest slice time."""
+
+    seq_chunks: int
+    seq_split: str
+    step_us: float | None = None
+    peak_device_max: int | None = None
+    largest_slice_us: float | None = None
+    plan_s: float | None = None
+    error: str | None = None
+
+
+def parse_int_list(option: str, text: str) -> list[int]:
+    """``1,2,4,8`` -> [1, 2, 4, 8]; ConfigError (one line naming ``option``) otherwise."""
+    items = [s.strip() for s in text.split(",")]
+    if not items or any(not s.isdigit() or int(s) < 1 for s in items):
+        raise ConfigError(f"{option}: expected comma-separated integers >= 1, e.g. 1,2,4,8 (got {text!r}); allowed: "
+                          f"slice counts for parallel.seq_chunks")
+    return [int(s) for s in items]
+
+
+def compare_slices(cfg: Config, chunks: list[int], splits: list[str]) -> list[SliceRow]:
+    """Plan ``cfg`` (k3, its own pipeline) for every (seq_chunks, seq_split); one slice is planned
+    once (the split does not matter). A combination the config refuses is a row with its error."""
+    from .planner import plan
+    from .seqslice import slice_times_us
+
+    for s in splits:
+        if s not in ("even", "compute"):
+            raise ConfigError(f"--seq-split: {s!r} is not a split; allowed: even, compute (comma-separated)")
+    rows = []
+    for n in chunks:
+        for split in (splits[:1] if n == 1 else splits):
+            row = SliceRow(n, split if n > 1 else "-")
+            t0 = time.perf_counter()
+            try:
+                data = cfg.to_dict()
+                data["parallel"] = {**data["parallel"], "seq_chunks": n, "seq_split": split}
+                p = plan(config_from_dict(data))
+                row.step_us = float(p.metrics["step_time_us"])
+                row.peak_device_max = int(max(p.metrics["peak_device_bytes"]))
+                times = slice_times_us(p)
+                row.largest_slice_us = max(times) if times else None
+            except ValueError as e:
+                row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            row.plan_s = time.perf_counter() - t0
+            rows.append(row)
+    return rows
+
+
+def render_slices(rows: list[SliceRow], cfg: Config) -> "Table":
+    from rich.table import Table
+
+    t = Table(title=f"{cfg.model.name}: sequence slices (Seq1F1B), k3 on {cfg.schedule.pipeline}, seq_len "
+                    f"{cfg.model.seq_len}", title_justify="left")
+    for name in ("S", "split", "step ms", "vs S=1", "peak device GiB", "largest slice ms", "plan s"):
+        t.add_column(name, justify="right", no_wrap=True)
+    base = next((r.step_us for r in rows if r.seq_chunks == 1 and r.step_us), None)
+    errors = []
+    for r in rows:
+        if r.step_us is None:
+            t.add_row(str(r.seq_chunks), r.seq_split, "error", "", "", "", "")
+            errors.append(f"S={r.seq_chunks} {r.seq_split}: {r.error}")
+            continue
+        vs = f"{(r.step_us / base - 1) * 100:+.1f}%" if base else ""
+        t.add_row(str(r.seq_chunks), r.seq_split, f"{r.step_us / 1e3:.1f}", vs, f"{r.peak_device_max / 2**30:.3f}",
+                  "-" if r.largest_slice_us is None else f"{r.largest_slice_us / 1e3:.1f}", f"{r.plan_s:.1f}")
+    t.caption = "\n".join(errors) or None
+    t.caption_justify = "left"
+    return t

@@ -171,3 +171,30 @@ def seq1f1b(base: Schedule, chunks: int) -> Schedule:
         order.extend(fwd[i:])
         out[r] = order
     return replace(base, ranks=out)
+
+
+def slice_times_us(plan) -> list[float]:
+    """Compute time of each slice of micro-batch 0 through its slowest stage (its forward, dX and
+    dW tasks on the compute lane), µs: the unit of work Seq1F1B pipelines. Empty for an unsliced
+    plan."""
+    chunks = plan.cfg.parallel.seq_chunks
+    if chunks == 1:
+        return []
+    per: dict[tuple[int, int], float] = {}
+    for t in plan.tasks.values():
+        if t.mb == 0 and t.slice is not None and t.lane == "compute":
+            per[(t.stage, t.slice)] = per.get((t.stage, t.slice), 0.0) + t.duration_us
+    stages = {s for s, _ in per}
+    slowest = max(stages, key=lambda s: sum(per.get((s, j), 0.0) for j in range(chunks)))
+    return [per.get((slowest, j), 0.0) for j in range(chunks)]
+
+
+def slices_line(plan) -> str:
+    """One line for ``k3sched plan``: the slices' token ranges and times ([Note: sequence slices])."""
+    cfg = plan.cfg
+    bounds = slice_bounds(cfg)
+    times = slice_times_us(plan)
+    return (f"slices: S={cfg.parallel.seq_chunks} {cfg.parallel.seq_split}: tokens "
+            + "/".join(str(e - s) for s, e in bounds)
+            + "; time per slice (slowest stage, F+B+W) " + "/".join(f"{t / 1e3:.3f}" for t in times)
+            + f" ms; largest {max(times) / 1e3:.3f} ms")

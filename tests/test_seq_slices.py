@@ -3,6 +3,7 @@ in k3sched/seqslice.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -261,3 +262,93 @@ def test_other_backbones_are_refused(pipeline):
              else "parallel.vpp=1", "parallel.microbatches=4")
     assert ": parallel.seq_chunks: Seq1F1B slices run on gpipe, 1f1b" in str(e.value), str(e.value)
     assert f"schedule.pipeline is {pipeline}" in str(e.value)
+
+
+# -- the long-context config ----------------------------------------------------------------------
+
+LONG = CONFIGS / "k2-long.yaml"
+SMALL_LONG = ["model.layers=4", "parallel.pp=2", "parallel.vpp=1", "parallel.ep=8", "parallel.dp=1",
+              "parallel.microbatches=4", "schedule.pipeline=1f1b", "schedule.warmup_extra=0",
+              "schedule.grad_offload=false"]
+"""k2-long (K2's layer shape at 128K tokens) cut to 4 layers on 2 stages, so it plans in a fraction of
+a second; the full config's figures are in the README (k3sched compare --seq-chunks)."""
+
+
+def test_k2_long_is_k2_like_at_128k():
+    long, like = load_config(LONG), load_config(CONFIGS / "k2-like.yaml")
+    assert long.model.seq_len == 131072 and long.model.micro_batch_size == 1 and long.parallel.seq_chunks == 1
+    ml, mk = long.model.model_dump(), like.model.model_dump()
+    assert {k: v for k, v in ml.items() if k not in ("name", "seq_len")} == {
+        k: v for k, v in mk.items() if k not in ("name", "seq_len")}
+    assert long.hardware == like.hardware
+
+
+@pytest.fixture(scope="module")
+def long_plans():
+    from k3sched.planner import plan
+
+    out = {}
+    for chunks in (1, 2, 4, 8):
+        for split in (("even",) if chunks == 1 else ("even", "compute")):
+            out[(chunks, split)] = plan(load_config(LONG, SMALL_LONG + [f"parallel.seq_chunks={chunks}",
+                                                                      f"parallel.seq_split={split}"]))
+    return out
+
+
+def test_compute_split_has_the_smaller_largest_slice(long_plans):
+    from k3sched.seqslice import slice_times_us
+
+    for chunks in (2, 4, 8):
+        even, comp = (slice_times_us(long_plans[(chunks, s)]) for s in ("even", "compute"))
+        assert max(comp) < 0.95 * max(even), (chunks, even, comp)
+        assert even == sorted(even)  # even slices: later ones attend to more keys
+
+
+def test_peak_device_memory_falls_as_slices_grow(long_plans):
+    for split in ("even", "compute"):
+        peaks = [long_plans[(1, "even") if n == 1 else (n, split)].metrics["peak_device_bytes"] for n in (1, 2, 4, 8)]
+        for a, b in zip(peaks, peaks[1:]):
+            assert all(y < x for x, y in zip(a, b)), (split, peaks)
+
+
+def test_plan_prints_the_slices_line():
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", str(TINY), "--set", "parallel.seq_chunks=4",
+                        "--set", "parallel.seq_split=compute"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("slices:"))
+    b = slice_bounds(_cfg("parallel.seq_chunks=4", "parallel.seq_split=compute"))
+    assert line.startswith("slices: S=4 compute: tokens " + "/".join(str(e - s) for s, e in b) + "; time per slice")
+    assert "; largest " in line
+
+
+def test_compare_seq_chunks_lists_every_variant():
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "compare", str(TINY), "--seq-chunks", "1,2,3",
+                        "--seq-split", "even,compute"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split("│")[1:3] for ln in r.stdout.splitlines() if ln.count("│") >= 7]
+    got = [(a.strip(), b.strip()) for a, b in rows]
+    assert got == [("1", "-"), ("2", "even"), ("2", "compute"), ("3", "even"), ("3", "compute")], r.stdout
+    assert "must divide model.seq_len" in r.stdout  # 3 does not divide 128 under even: that row says why
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--seq-chunks", "1,x"], "--seq-chunks: expected comma-separated integers >= 1"),
+    (["--seq-chunks", "0"], "--seq-chunks: expected comma-separated integers >= 1"),
+    (["--seq-chunks", "2", "--seq-split", "tokens"], "--seq-split: 'tokens' is not a split; allowed: even, compute"),
+])
+def test_compare_bad_seq_options_are_one_line(args, expected):
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "compare", str(TINY), *args], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_exact_free_order_refuses_sliced_plans_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "k3sched.cli", "plan", str(TINY), "--set", "parallel.seq_chunks=2",
+                        "--exact", "--exact-order", "free"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: --exact: order free is not available for sliced plans "
+                                             "(parallel.seq_chunks > 1): its model keys activation sets by (stage, "
+                                             "micro-batch, layer); use --exact-order backbone"]
