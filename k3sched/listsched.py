@@ -225,40 +225,12 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
             heappush(ready[res[i]], (key[i], i))
 
     # Resources that may be able to start a task now, visited in resource order (a heap plus a flag).
+    # The hot loop below inlines "wake resource r" (flag it and push it once) and make_ready: this
+    # loop runs once per task and attempt (about 100k times a K2-like attempt).
     pend_heap = list(range(nres))
     flagged = [True] * nres
-
-    def wake(r: int) -> None:
-        if not flagged[r]:
-            flagged[r] = True
-            heappush(pend_heap, r)
-
     seq = 0  # events at one instant pop in start order
-
-    def start(i: int, r: int, now: float) -> None:
-        nonlocal seq
-        busy[r] = True
-        orders[r].append(i)
-        heappush(events, (now + dur[i], seq, i))
-        seq += 1
-        start_t[i] = now
-        if feeds[i]:
-            heappush(feeding[stage_of[i]], now + dur[i])
-        if is_p2p[i]:
-            imminent[r] -= 1
-        for j in succ[i]:
-            unstarted[j] -= 1
-            if unstarted[j] == 0 and is_p2p[j]:
-                imminent[res[j]] += 1
-        for j in ssucc[i]:
-            npending[j] -= 1
-            if npending[j] == 0:
-                make_ready(j)
-                wake(res[j])
-        if is_main[i]:
-            for j in gate.started(stage_of[i], slot[i]):
-                heappush(ready[res[j]], (key[j], j))
-                wake(res[j])
+    main_gate_started = gate.started
 
     for i in range(n):
         if i in skip:
@@ -285,7 +257,41 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
                     continue  # every WGrad would delay the backbone task about to become ready
             else:
                 heappop(q)
-            start(i, r, now)
+            # start task i on resource r at `now`
+            busy[r] = True
+            orders[r].append(i)
+            d_end = now + dur[i]
+            heappush(events, (d_end, seq, i))
+            seq += 1
+            start_t[i] = now
+            st = stage_of[i]
+            if feeds[i]:
+                heappush(feeding[st], d_end)
+            if is_p2p[i]:
+                imminent[r] -= 1
+            for j in succ[i]:
+                unstarted[j] -= 1
+                if unstarted[j] == 0 and is_p2p[j]:
+                    imminent[res[j]] += 1
+            for j in ssucc[i]:
+                npending[j] -= 1
+                if npending[j] == 0:
+                    rj = res[j]
+                    sj = stage_of[j]
+                    if is_main[j] and slot[j] > gates[sj]:
+                        held[sj][slot[j]].append(j)
+                    else:
+                        heappush(ready[rj], (key[j], j))
+                    if not flagged[rj]:
+                        flagged[rj] = True
+                        heappush(pend_heap, rj)
+            if is_main[i]:
+                for j in main_gate_started(st, slot[i]):
+                    rj = res[j]
+                    heappush(ready[rj], (key[j], j))
+                    if not flagged[rj]:
+                        flagged[rj] = True
+                        heappush(pend_heap, rj)
             started += 1
         if not events:
             break
@@ -295,14 +301,27 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
             batch.append(heappop(events)[2])
         for i in batch:
             end_t[i] = now
-            busy[res[i]] = False
-            wake(res[i])
-            wake(res_compute[stage_of[i]])  # a fill decision may change now
+            r = res[i]
+            busy[r] = False
+            if not flagged[r]:
+                flagged[r] = True
+                heappush(pend_heap, r)
+            r = res_compute[stage_of[i]]  # a fill decision may change now
+            if not flagged[r]:
+                flagged[r] = True
+                heappush(pend_heap, r)
             for j in succ[i]:
                 npending[j] -= 1
                 if npending[j] == 0:
-                    make_ready(j)
-                    wake(res[j])
+                    rj = res[j]
+                    sj = stage_of[j]
+                    if is_main[j] and slot[j] > gates[sj]:
+                        held[sj][slot[j]].append(j)
+                    else:
+                        heappush(ready[rj], (key[j], j))
+                    if not flagged[rj]:
+                        flagged[rj] = True
+                        heappush(pend_heap, rj)
     if started != n - len(skip):
         stuck = [prep.ids[i] for i in range(n) if i not in skip and not any(i in o for o in orders)][:6]
         raise DeadlockError(f"plan deadlocks: {n - len(skip) - started} tasks never became ready, e.g. "
