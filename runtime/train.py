@@ -207,6 +207,9 @@ def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: i
         except ck.CheckpointError as e:
             raise UserError(str(e)) from None
         start = int(doc["step"])
+    if runner.plan_steps > 1 and (args.save_every or args.resume or cfg.data.path):
+        raise UserError(f"--save-every / --resume / data.path: {cfg.schedule.pipeline} runs on synthetic tokens "
+                        f"without checkpoints (its second weight version is not saved); allowed: none of them")
     if cfg.data.path:
         lo, m = runner.groups.layout, cfg.model
         pos = int(doc["data"].get("position", 0)) if doc and doc["data"].get("kind") == "file" else 0
@@ -500,7 +503,8 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
         if runner.captured is not None:
             torch.save(runner.captured, out / f"grads_rank{rank}.pt")
             runner.captured = None
-        loss_t = torch.tensor([contrib], dtype=torch.float64)
+        # pipedream-2bw: one plan run is two training steps, each with its loss
+        loss_t = torch.tensor(runner.step_contribs if runner.plan_steps > 1 else [contrib], dtype=torch.float64)
         time_t = torch.tensor([log.record.wall_s], dtype=torch.float64)
         if dist.is_initialized():
             loss_t, time_t = loss_t.to(device), time_t.to(device)
@@ -508,10 +512,12 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
             # coordinate, so parallel.order changes no reported loss)
             parts = [torch.zeros_like(loss_t) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, loss_t)
-            loss_t = torch.tensor([math.fsum(float(x) for x in parts)], dtype=torch.float64)
+            loss_t = torch.tensor([math.fsum(float(x[i]) for x in parts) for i in range(len(loss_t))],
+                                  dtype=torch.float64)
             dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
-        loss, dt = float(loss_t) / (M * R), float(time_t)
-        log.losses.append(loss)
+        losses, dt = [float(x) / (M * R) for x in loss_t], float(time_t)
+        loss = losses[-1]
+        log.losses.extend(losses)
         log.times.append(dt)
         log.peaks.append(runner.memory.peak_device)
         progress(step, loss, dt)

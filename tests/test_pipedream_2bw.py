@@ -1,9 +1,15 @@
 """PipeDream-2BW ([Note: pipedream-2bw] in k3sched/schedule_generators.py): its backbone's bubble
 against the paper's no-flush steady state, the two-step plan (ids, optimizer dependencies, the
-second weight version's bytes, ``compare``), its config rules, and the delayed-update reference
-(runtime/reference.py) against the update rule written out by hand."""
+second weight version's bytes, ``compare``), its config rules, the delayed-update reference
+(runtime/reference.py) against the update rule written out by hand, and 3 runs of the plan (6
+training steps) on 2 ranks (gloo, torchrun, as tests/test_schedules_run.py runs V-Half and V-Min)
+with the delayed reference's losses and traces that validate."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +22,7 @@ from k3sched.planner import plan
 from k3sched.schedules import Action, generate, simulate_uniform
 from k3sched.tasks import Kind, format_task_id, parse_task_id
 
-from conftest import CONFIGS, one_line
+from conftest import CONFIGS, ROOT, one_line
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 SMALL = ["parallel.ep=1", "model.seq_len=16", "model.micro_batch_size=1", "schedule.offload=none"]
@@ -181,3 +187,44 @@ def test_valid_and_round_trips_through_torch_csv(p, m):
     assert validate(s) == []
     back = Schedule.from_torch_csv(s.to_torch_csv(), p, 1, 2 * m, placement=s.placement, name=s.name)
     assert back.ranks == s.ranks and validate(back) == []
+
+
+RUN = ["parallel.ep=1", "parallel.pp=2", "parallel.vpp=1", "parallel.microbatches=4", "model.layers=4",
+       "model.seq_len=16", "model.micro_batch_size=1", "model.dense_layers=0", "schedule.pipeline=pipedream-2bw"]
+LIMIT_S = 240.0
+
+
+@pytest.mark.slow
+def test_runs_like_the_delayed_reference_and_its_traces_validate(tmp_path):
+    from runtime.launch import _run_env, free_port, kill_group
+    from runtime.reference import reference_run
+
+    d = tmp_path / "run"
+    spec = {"runs": [{"out": str(d), "overrides": RUN, "p2p": "buffered", "steps": 3}], "timeout_s": 90}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(ROOT / "tests" / "p2p_worker.py"),
+           str(tmp_path / "spec.json")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(None), start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the run took longer than {LIMIT_S:.0f} s")
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((d / "summary.json").read_text())
+    # three runs of the two-step plan: six training steps, each with its loss
+    assert summary["pipeline"] == "pipedream-2bw" and len(summary["losses"]) == 6
+    cfg = load_config(TINY, RUN)
+    ref = reference_run(cfg, 6, delayed=True)
+    assert summary["losses"] == pytest.approx(ref.losses, rel=1e-5, abs=0)
+    # and not synchronous training's: stale weights from step 1 on
+    sync = reference_run(cfg, 6)
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(summary["losses"][1:], sync.losses[1:]))
+    traces = sorted(str(p) for p in d.glob("trace_rank*.json"))
+    assert len(traces) == 2
+    v = subprocess.run([sys.executable, "-m", "k3sched.cli", "validate", "--plan", str(d / "plan.json"), *traces],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]

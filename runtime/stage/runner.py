@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from k3sched.config import Config
+from k3sched.pipelines import TABLE as PIPELINE_TABLE
 from k3sched.seqslice import slice_bounds
-from k3sched.tasks import Kind
+from k3sched.tasks import LANE_OF, Kind
 from moe import LayerCtx, MicroBatch, MoEModel
 
 from offload import ActivationManager, MemoryTracker, PolicyTable
@@ -73,6 +74,11 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
             opt_params = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
         # with grad_offload the layers' parameters are stepped by GradShards on host shards
         self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay) if opt_params else None
+        self.plan_steps = PIPELINE_TABLE[cfg.schedule.pipeline].steps  # pipedream-2bw: 2 ([Note: pipedream-2bw])
+        self.step_contribs: list[float] = []
+        """Per training step of the plan, this rank's loss contribution (:meth:`end_step`)."""
+        if self.plan_steps > 1:
+            self.init_versions()  # two weight versions (runtime/stage/optimizer.py)
         self._bwd_left: dict[tuple[int, int], int] = {}  # (mb, layer) -> backward tasks left this step
         self._bwd_count: dict[tuple[int, int], int] = {}
         self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
@@ -139,12 +145,12 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         self._bwd_left = dict(self._bwd_count)
         self.memory.begin_step()
         bounds = slice_bounds(cfg) if cfg.parallel.seq_chunks > 1 else None
-        for m in range(M):
+        for m in range(M * self.plan_steps):  # pipedream-2bw: micro-batch m of training step step*2 + m // M
             if self.data is not None:
                 tokens, targets = self.data.batch(m)
             else:
-                tokens, targets = synthetic_batch(self.seed, step, lo.replica, m, cfg.model.micro_batch_size,
-                                                  cfg.model.seq_len, cfg.model.vocab)
+                tokens, targets = synthetic_batch(self.seed, step * self.plan_steps + m // M, lo.replica, m % M,
+                                                  cfg.model.micro_batch_size, cfg.model.seq_len, cfg.model.vocab)
             tokens, targets, scale = tokens.to(self.device), targets.to(self.device), 1.0 / (M * self.replicas)
             if bounds is None:
                 states = [self.model.new_microbatch(tokens, targets, index=m, loss_scale=scale)]
@@ -168,17 +174,20 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         if self.gshards is not None:
             self.gshards.end_step()
         coef = self.args.aux_loss_coef
-        total = 0.0
-        for mb in self.mbs.values():
+        per = [0.0] * self.plan_steps  # per training step of the plan (pipedream-2bw: two)
+        M = self.cfg.parallel.microbatches
+        for key, mb in self.mbs.items():
+            k = (key if isinstance(key, int) else key[0]) // M
             if mb.ce is not None:
-                total += float(mb.ce)
+                per[k] += float(mb.ce)
             for L in self.spec.layers:
                 aux = mb.layers[L].aux
                 if aux is not None:
-                    total += coef * float(aux)
+                    per[k] += coef * float(aux)
         self.mbs.clear()
         self._up.clear()
-        return total
+        self.step_contribs = per
+        return sum(per)
 
     # -- handlers --------------------------------------------------------------------------------
     def handlers(self) -> dict[Kind, Handler]:
@@ -196,6 +205,8 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         })
         if self.gshards is not None:
             table.update(self.gshards.handlers())
+        if self.versions is not None:  # pipedream-2bw: each micro-batch's compute on its weight version
+            table = {k: h if LANE_OF[k] != "compute" or k is Kind.OPTIM else self.versioned(h) for k, h in table.items()}
         table = {k: self._tracked(h) for k, h in table.items()}
         if self.fail_task is not None:
             table = {k: self._maybe_fail(h) for k, h in table.items()}
