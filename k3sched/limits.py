@@ -168,16 +168,20 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     nv = pl.num_stages
     ranks = [pl.locate(v)[0] for v in range(nv)]
     boundaries = sum(1 for v in range(nv - 1) if ranks[v] != ranks[v + 1])
+    copies = PIPELINE_TABLE[s.pipeline].copies
+    if copies == 2:  # a micro-batch passes one copy's pp stages ([Note: dualpipe mapping])
+        boundaries = p.pp - 1
     edges = U * (2 + 3 + 4 * boundaries)  # embed fwd / dW, head fwd / dX / dW, act and grad send / recv
     reduce = p.ep * p.dp > 1
     b_moe = _buckets(cfg, cost, m.dense_layers) if moe and reduce else 0
     b_dense = _buckets(cfg, cost, 0) if dense and reduce else 0
-    if s.grad_offload:
-        groups = -(-M // max(1, p.pp))
+    if s.grad_offload:  # per copy of a layer: its micro-batches in groups of pp
+        groups = copies * -(-(M // copies) // max(1, p.pp))
         grads = groups * (moe * (b_moe + 3) + dense * (b_dense + 3))
     else:
-        grads = moe * b_moe + dense * b_dense
-    return TaskCount(layers, offload, edges, grads, p.pp, max(b_moe, b_dense))
+        grads = copies * (moe * b_moe + dense * b_dense)
+    mirror = p.pp if copies == 2 else 0  # grad.mirror ([Note: replica gradient reduction] in runtime/stage/gradients.py)
+    return TaskCount(layers, offload, edges, grads + mirror, p.pp, max(b_moe, b_dense))
 
 
 @dataclass

@@ -64,6 +64,24 @@ def test_one_mirror_reduction_per_stage_after_its_gradients_before_its_optimizer
         assert m.start_us >= max(ends) - 1e-6 and tasks[f"s{s}/step/optim.run"].start_us >= m.end_us - 1e-6
 
 
+@pytest.mark.parametrize("name,pp,ep,dp,offload,grad_offload,M", [
+    ("chimera", 2, 1, 1, "none", False, 4), ("chimera", 4, 2, 1, "auto", False, 12),
+    ("chimera", 4, 1, 2, "none", True, 12), ("dualpipe", 2, 2, 2, "auto", True, 4),
+    ("dualpipe", 4, 1, 1, "auto", False, 8)])
+def test_task_count_is_exact_for_two_copies(name, pp, ep, dp, offload, grad_offload, M):
+    # k3sched/limits.py counts what the graph builds: a micro-batch crosses pp-1 stage boundaries,
+    # each layer has a grad.rs (or gradient-shard group) per copy, one grad.mirror per stage
+    from k3sched.graph import OffloadChoice, build_step
+    from k3sched.limits import count_tasks
+
+    cfg = load_config(TINY, SMALL + [f"schedule.pipeline={name}", f"parallel.pp={pp}", f"parallel.ep={ep}",
+                                     f"parallel.dp={dp}", f"parallel.microbatches={M}", "model.layers=8",
+                                     f"schedule.offload={offload}", f"schedule.grad_offload={str(grad_offload).lower()}",
+                                     "schedule.grad_bucket_mb=0.05"])
+    g = build_step(cfg, OffloadChoice(everything=offload != "none"))
+    assert count_tasks(cfg).total == len(g.tasks)
+
+
 def test_one_copy_schedules_have_no_mirror_reduction():
     for name, vpp in (("1f1b", 1), ("dualpipev", 2), ("zb-v", 2)):
         _, p = _plan(name, 2, [f"parallel.vpp={vpp}"])
