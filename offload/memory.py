@@ -40,8 +40,11 @@ baseline at step start: ``allocated = tracked0 + (heap - heap0)``, with ``tracke
 plus every byte malloc handed out and did not get back since. ``untracked`` is the largest
 ``allocated - tracked`` over the samples (at one instant, not the difference of two peaks; the
 two reads of a sample are not atomic, so a lane allocating between them adds to it). Bytes
-a rank already held untracked at step start are not in it (the baseline hides them); bytes it
-keeps from one step to the next show in the step that allocated them.
+a rank already held untracked at step start are not in it (the baseline hides them): those are
+``untracked_growth``, the growth of ``heap0 - tracked0`` from the second step's start to each later
+one (the first step's lazy set-up, e.g. autograd's and gloo's, is behind the second step's
+start), so a tensor kept from one step to the next adds its bytes once per step it is kept. A run
+of one or two steps has no such figure (``None``).
 
 Before it is used the meter is checked on a real 4 MiB tensor: a libc without ``mallinfo2``
 (not glibc, or glibc before 2.33), or a process whose tensors come from another malloc (jemalloc,
@@ -186,17 +189,28 @@ class MemoryTracker:
         self.untracked: int | None = None if self.meter is None else 0
         self.missed_samples = 0  # samples whose tracked read lost to stores changing size (allocated kept)
         self._base: tuple[int, int] | None = None  # (tracked, heap) at step start (CPU)
+        self._starts: list[tuple[int, int]] = []  # (tracked, meter reading) at the first two step starts
+        self.untracked_growth: int | None = None
 
     def begin_step(self) -> None:
         self.samples = []
         self.alloc_samples = []
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.meter is not None:
-            read = self._read_tracked()
-            if read is None:
-                raise RuntimeError("memory tracker: the saved-tensor stores kept changing at step start")
-            self._base = (read[3], self.meter.read())
+        if self.meter is None:
+            return
+        read = self._read_tracked()
+        if read is None:
+            raise RuntimeError("memory tracker: the saved-tensor stores kept changing at step start")
+        start = (read[3], self.meter.read())
+        if self.device.type != "cuda":
+            self._base = start
+        if len(self._starts) < 2:
+            self._starts.append(start)
+        else:  # untracked bytes held at step start, beyond those at the second step's start
+            ref = self._starts[1]
+            grown = (start[1] - ref[1]) - (start[0] - ref[0])
+            self.untracked_growth = max(self.untracked_growth or 0, grown)
 
     def _read_tracked(self) -> tuple[int, int, int, int] | None:
         """(device, host, peer, tracked) bytes, or None when every try lost to a store changing size."""
@@ -266,11 +280,13 @@ class MemoryTracker:
         return s
 
     def totals(self) -> list[int]:
-        """Peak device, host, peer, allocated, tracked bytes, untracked bytes and lost samples, as
-        numbers to gather over ranks (-1: the allocator figure is unavailable); see :func:`memory_report`."""
+        """Peak device, host, peer, allocated, tracked bytes, untracked bytes, lost samples and
+        untracked growth across steps, as numbers to gather over ranks (-1: not measured); see
+        :func:`memory_report`."""
         return [self.peak_device, self.peak_host, self.peak_peer,
                 -1 if self.peak_allocated is None else self.peak_allocated, self.peak_tracked,
-                -1 if self.untracked is None else self.untracked, self.missed_samples]
+                -1 if self.untracked is None else self.untracked, self.missed_samples,
+                -1 if self.untracked_growth is None else self.untracked_growth]
 
     def report(self) -> dict:
         """This rank's memory figures (``None`` where unavailable)."""
@@ -296,6 +312,7 @@ class MemoryTracker:
                 "peak_allocated_bytes_measured": [m["peak_allocated_bytes"] for m in reports],
                 "peak_tracked_bytes_measured": [m["peak_tracked_bytes"] for m in reports],
                 "untracked_bytes_measured": [m["untracked_bytes"] for m in reports],
+                "untracked_growth_bytes_measured": [m["untracked_growth_bytes"] for m in reports],
                 "memory_samples_missed": [m["samples_missed"] for m in reports]}
 
     def closing_line(self, rows: list[list[int]]) -> str:
@@ -321,12 +338,14 @@ def memory_report(totals: list[int], allocator: str | None, note: str) -> dict:
 
     return {"allocator": allocator, "allocator_unavailable": None if allocator is not None else note,
             "peak_allocated_bytes": opt(totals[3]), "peak_tracked_bytes": int(totals[4]),
-            "untracked_bytes": opt(totals[5]), "samples_missed": int(totals[6])}
+            "untracked_bytes": opt(totals[5]), "samples_missed": int(totals[6]),
+            "untracked_growth_bytes": opt(totals[7])}
 
 
 def format_memory(reports: list[dict]) -> str:
     """One line for a run's end: each rank's allocated / tracked / untracked peak in MiB, the
-    allocator's name or why it is unavailable, and lost tracked samples when there were any."""
+    allocator's name or why it is unavailable, untracked bytes kept across steps where a rank's
+    reach 1 MiB, and lost tracked samples when there were any."""
     first = reports[0] if reports else {}
     if first.get("allocator") is None:
         line = (f"memory: {first.get('allocator_unavailable') or 'no ranks'}; tracked peak per rank (MiB): "
@@ -335,6 +354,10 @@ def format_memory(reports: list[dict]) -> str:
         line = (f"memory per rank, allocated / tracked / untracked (MiB, {first['allocator']}): "
                 + ", ".join(f"r{r} {m['peak_allocated_bytes'] / MiB:.2f}/{m['peak_tracked_bytes'] / MiB:.2f}/"
                             f"{m['untracked_bytes'] / MiB:.2f}" for r, m in enumerate(reports)))
+    grown = [(r, g) for r, m in enumerate(reports) if (g := m.get("untracked_growth_bytes")) and g >= MiB]
+    if grown:
+        line += "; untracked bytes kept across steps (growth since step 2's start): " + ", ".join(
+            f"r{r} {g / MiB:.2f}" for r, g in grown)
     missed = [(r, m["samples_missed"]) for r, m in enumerate(reports) if m["samples_missed"]]
     if missed:
         line += "; tracked samples lost to stores changing while read: " + ", ".join(f"r{r} {n}" for r, n in missed)

@@ -41,10 +41,11 @@ except MeterUnavailable as e:
     NO_HEAP_METER = str(e)
 
 
-def _steps(leak: bool, device: str = "cpu", steps: int = 2):
+def _steps(leak: bool, device: str = "cpu", steps: int = 2, keep: bool = False):
     """Train the one-rank plan; with ``leak`` the first embed.fwd of each step keeps a 64 MiB
     tensor (written to, so its pages are real) in a list the tracker does not know, until the step
-    ended. Returns (tracker, the times the leaks were made in µs, each step's allocated samples)."""
+    ended (``keep``: until the run ended). Returns (tracker, the times the leaks were made in µs,
+    each step's allocated samples)."""
     cfg = load_config(TINY, ONE_RANK)
     lanes = stage_lanes(plan_to_json(plan(cfg, None)), 0)
     dev = torch.device(device)
@@ -72,7 +73,8 @@ def _steps(leak: bool, device: str = "cpu", steps: int = 2):
             ex.run_step(step)
             runner.end_step()
             per_step.append(list(runner.memory.alloc_samples))
-            stash.clear()  # kept to the step's end
+            if not keep:
+                stash.clear()  # kept to the step's end
     return runner.memory, made, per_step
 
 
@@ -105,6 +107,20 @@ def test_a_tensor_kept_behind_the_trackers_back_is_caught_as_untracked(device):
     assert "allocated / tracked / untracked" in line and f"/{leaky.untracked / MiB:.2f}" in line
 
 
+@pytest.mark.skipif(NO_HEAP_METER is not None, reason=f"no allocator figure on this machine: {NO_HEAP_METER}")
+def test_tensors_kept_from_step_to_step_show_as_untracked_growth():
+    clean, _, _ = _steps(leak=False, steps=4)
+    kept, _, _ = _steps(leak=True, steps=4, keep=True)
+    assert clean.untracked_growth < MiB, clean.untracked_growth  # the first step's lazy set-up is not in it
+    # steps 2 and 3 each add a 64 MiB tensor the bookkeeping never sees: two of them by step 4's start
+    assert 2 * LEAK <= kept.untracked_growth < 2 * LEAK + MiB, kept.untracked_growth
+    assert kept.untracked >= LEAK  # and each one in the step that made it
+    line = kept.closing_line([kept.totals()])
+    assert f"untracked bytes kept across steps (growth since step 2's start): r0 {kept.untracked_growth / MiB:.2f}" in line
+    assert "kept across steps" not in clean.closing_line([clean.totals()])
+    assert _steps(leak=False, steps=2)[0].report()["untracked_growth_bytes"] is None  # too few steps to say
+
+
 def test_allocator_figure_unavailable_without_mallinfo2_says_why_in_one_line():
     # the dynamic loader: a C library of this process that really has no mallinfo2 (a library
     # linked against glibc would resolve it through its dependencies)
@@ -132,6 +148,7 @@ def test_allocator_figure_unavailable_without_mallinfo2_says_why_in_one_line():
     fields = tracker.summary_fields([tracker.totals()])
     assert fields["memory_allocator"] is None and fields["memory_allocator_unavailable"] == note
     assert fields["untracked_bytes_measured"] == [None] and fields["peak_tracked_bytes_measured"] == [4096]
+    assert fields["untracked_growth_bytes_measured"] == [None]
 
 
 def test_a_tracked_read_that_keeps_losing_is_counted_and_other_errors_propagate():
@@ -174,7 +191,7 @@ def test_a_run_reports_allocated_tracked_and_untracked_bytes(tmp_path):
     assert rc == 0, (tmp_path / "error_rank0.txt").read_text() if (tmp_path / "error_rank0.txt").exists() else rc
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["memory_allocator"] == "glibc mallinfo2" and s["memory_allocator_unavailable"] is None
-    assert s["memory_samples_missed"] == [0]
+    assert s["memory_samples_missed"] == [0] and s["untracked_growth_bytes_measured"] == [None]  # 2 steps
     (alloc,), (tracked,), (untracked,) = (s["peak_allocated_bytes_measured"], s["peak_tracked_bytes_measured"],
                                           s["untracked_bytes_measured"])
     assert 0 <= untracked < 8 * MiB and tracked > 0 and alloc >= tracked
