@@ -357,6 +357,10 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     if steps < 1:
         _err(f"--steps: must be at least 1; got {steps}")
         return 2
+    if PIPELINE_TABLE[cfg.schedule.pipeline].steps > 1 and (save_every or resume or cfg.data.path):
+        _err(f"--save-every / --resume / data.path: {cfg.schedule.pipeline} runs on synthetic tokens without "
+             f"checkpoints (its second weight version is not saved); allowed: none of them")
+        return 2
     from runtime.checkpoint import launch_args
 
     try:

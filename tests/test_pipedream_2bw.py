@@ -145,6 +145,18 @@ def test_bad_configs_are_one_line(sets, match, tmp_path):
     one_line(res.output, match)
 
 
+@pytest.mark.parametrize("extra", [["--save-every", "1"], ["--set", "data.path=tokens.bin"]])
+def test_run_refuses_checkpoints_and_token_files_in_one_line(extra, tmp_path):
+    from typer.testing import CliRunner
+
+    from k3sched.cli import app
+
+    res = CliRunner().invoke(app, ["run", str(TINY), "--out", str(tmp_path / "o"), "--set",
+                                   "schedule.pipeline=pipedream-2bw", *extra])
+    assert res.exit_code == 2, res.output
+    one_line(res.output, "pipedream-2bw", "second weight version")
+
+
 def test_delayed_reference_is_the_2bw_update_rule():
     # W_{t+1} = AdamW(W_t, grad L_t(W_{t-1})), W_{-1} = W_0, written out with two plain models
     from moe import MoEModel
