@@ -230,7 +230,7 @@ def plan(
     if cfg.parallel.seq_chunks > 1:  # [Note: sequence slices] in k3sched/seqslice.py
         from .seqslice import slices_line
 
-        console.print(slices_line(p), highlight=False, markup=False)
+        console.print(slices_line(p), highlight=False, markup=False, soft_wrap=True)
     if cfg.parallel.world > 1:
         for line in cli_plan.placement_lines(p):
             console.print(line, highlight=False, markup=False)

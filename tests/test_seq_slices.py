@@ -352,3 +352,25 @@ def test_exact_free_order_refuses_sliced_plans_in_one_line():
     assert r.stderr.strip().splitlines() == ["error: --exact: order free is not available for sliced plans "
                                              "(parallel.seq_chunks > 1): its model keys activation sets by (stage, "
                                              "micro-batch, layer); use --exact-order backbone"]
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_sliced_offload_graph_is_closed_and_topological(where):
+    """Every offloaded slice set (local or to the next stage) has its copy, its way back and the
+    dependency that keeps it until the next slice's attention has read its keys / values; every
+    dependency exists and comes earlier in the creation order (the planner's topological order)."""
+    from k3sched.graph import OffloadChoice, build_step, set_task_id
+    from k3sched.tasks import Kind
+
+    cfg = _cfg("parallel.seq_chunks=4", "parallel.seq_split=compute")
+    sets = [k for k in build_step(cfg, OffloadChoice(everything=True)).offload_sets if k[0] == 0]
+    choice = OffloadChoice(local=set(sets)) if where == "local" else OffloadChoice(remote={k: 1 for k in sets})
+    g = build_step(cfg, choice)
+    for tid, t in g.tasks.items():
+        assert all(d in g.tasks and g.topo[d] < g.topo[tid] for d in t.deps), tid
+    out, back = (Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD) if where == "local" else (Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD)
+    for key in sets:
+        off = g.tasks[set_task_id(key, out)]
+        assert set_task_id(key, back) in g.tasks and off.buffer == f"s0/mb{key[1]}q{key[3]}/L{key[2]}/act"
+        nxt = set_task_id((*key[:3], key[3] + 1), Kind.ATTN_FWD)
+        assert (nxt in off.deps) == (key[3] < 3), key
