@@ -91,11 +91,13 @@ def test_a_tensor_kept_behind_the_trackers_back_is_caught_as_untracked(device):
     assert abs(leaky.peak_tracked - clean.peak_tracked) < MiB, (leaky.peak_tracked, clean.peak_tracked)
     if device == "cpu":  # a clean step's untracked bytes are the lanes' transients and the interpreter's
         assert clean.untracked < 8 * MiB, clean.untracked  # (on GPU also cuBLAS workspaces: not bounded here)
-    # every sample taken after the leak, in every step, sees it
+    # every sample taken after the leak, in every step, sees it (the two reads of a sample are not
+    # atomic: a lane freeing a saved tensor between them may take up to that tensor's bytes, all
+    # under 2 MiB here, off one sample; 9 in 10 samples see the whole leak)
     for made_us, samples in zip(made, per_step):
-        after = [(a, r) for t, a, r in samples if t >= made_us]
-        assert len(after) > 10
-        assert min(a - r for a, r in after) >= LEAK, min(a - r for a, r in after)
+        seen = sorted(a - r for t, a, r in samples if t >= made_us)
+        assert len(seen) > 10
+        assert seen[0] >= LEAK - 2 * MiB and seen[len(seen) // 10] >= LEAK, seen[:5]
     assert leaky.untracked >= LEAK
     # the allocator peak grows by the leak, up to what the lanes' transients differ between runs
     assert leaky.peak_allocated >= clean.peak_allocated + LEAK - clean.untracked, (leaky.peak_allocated,
