@@ -128,8 +128,8 @@ def seq_error(cfg: Config) -> str | None:
         return None
     if cfg.schedule.pipeline not in SEQ_BACKBONES:
         return (f"parallel.seq_chunks: Seq1F1B slices run on {', '.join(SEQ_BACKBONES)} (one model copy, one "
-                f"weight version, no overlapped F&B pairs); schedule.pipeline is {cfg.schedule.pipeline}; allowed: seq_chunks 1 or one "
-                f"of those backbones")
+                f"weight version, no overlapped F&B pairs); schedule.pipeline is {cfg.schedule.pipeline}; allowed: "
+                f"seq_chunks 1 or one of those backbones")
     if chunks > length:
         return (f"parallel.seq_chunks: every slice needs at least one token, so at most model.seq_len "
                 f"({length}); got {chunks}")
