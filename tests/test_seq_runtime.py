@@ -113,8 +113,9 @@ def test_slices_run_out_of_order_are_refused() -> None:
 BASE = ["parallel.microbatches=2", "model.layers=4", "model.dense_layers=1", "model.micro_batch_size=2",
         "schedule.offload=none"]
 PP2 = BASE + ["parallel.ep=1", "parallel.pp=2"]
-RUNS = {  # name -> (overrides, p2p mode, the slice bounds the run must use)
-    "pp2_s2_even": (PP2 + ["model.seq_len=16", "parallel.seq_chunks=2"], "buffered", [(0, 8), (8, 16)]),
+RUNS = {  # name -> (overrides, p2p mode, the slice bounds the run must use); 1f1b unless named
+    "pp2_zbv_s2_even": (PP2 + ["schedule.pipeline=zb-v", "parallel.vpp=2", "model.seq_len=16", "parallel.seq_chunks=2"],
+                        "buffered", [(0, 8), (8, 16)]),
     "pp2_s4_compute_strict_gradoffload": (PP2 + ["model.seq_len=18", "parallel.seq_chunks=4", "parallel.seq_split=compute",
                                                  "schedule.grad_offload=true"], "strict",
                                           [(0, 5), (5, 9), (9, 14), (14, 18)]),
