@@ -162,10 +162,14 @@ class _SlotGate:
 
 
 def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
-                   skip: frozenset[int] = frozenset(), times: list | None = None) -> dict[tuple[int, str], list[str]]:
+                   skip: frozenset[int] = frozenset(), times: list | None = None, materialize: bool = True
+                   ) -> dict[tuple[int, str], list[str]] | None:
     """Event-driven list scheduling (see module docstring). ``skip``: task indices left out (offload
     tasks not chosen in this attempt); a dependency on a skipped task counts as met. ``times``, when
-    given, receives the start and end times by task index (the lists also written into the tasks)."""
+    given, receives ``(orders, start_t, end_t)``: each resource's task indices in start order and the
+    times by task index. With ``materialize`` the times are written into the tasks and the lane
+    orders (task ids per (stage, lane)) returned; without, nothing is written and None returned
+    (:func:`_lane_orders` does it later for the attempt kept)."""
     n = len(prep.ids)
     stage_of, slot, succ, ssucc, dur = prep.stage, prep.slot, prep.succ, prep.ssucc, prep.dur
     is_main, is_p2p, is_bg, is_w, feeds = prep.main, prep.p2p, prep.background, prep.wgrad, prep.feeds_main
@@ -327,5 +331,5 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
         raise DeadlockError(f"plan deadlocks: {n - len(skip) - started} tasks never became ready, e.g. "
                             f"{', '.join(stuck)}")
     if times is not None:
-        times[:] = (start_t, end_t)
-    return _lane_orders(g, prep, orders, start_t, end_t)
+        times[:] = (orders, start_t, end_t)
+    return _lane_orders(g, prep, orders, start_t, end_t) if materialize else None

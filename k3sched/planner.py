@@ -35,7 +35,7 @@ from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
-from .listsched import _list_schedule, _prepare, _Prepared
+from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared
 from .pipelines import TABLE
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
@@ -99,11 +99,12 @@ def _slot_index(ranks: dict[int, list]) -> dict[tuple[int, str, int], int]:
 
 
 # -- offload selection ------------------------------------------------------------------------
-def _select_offload(g: StepGraph, mem: MemoryTimeline, stage: int, chosen: OffloadChoice, target: int
+def _select_offload(att: "_Attempt", mem: MemoryTimeline, stage: int, chosen: OffloadChoice, target: int
                     ) -> list[tuple[int, int, int]]:
     """Activation sets of ``stage`` to offload so that its device curve, minus each chosen set's
-    bytes over the span it is resident ([its attn.fwd end, its attn.dx start)), stays under
-    ``target``. Greedy at the running peak, taking the set needed latest (longest away)."""
+    bytes over the span it is resident ([its attn.fwd end, its attn.dx start), ``att.span``), stays
+    under ``target``. Greedy at the running peak, taking the set needed latest (longest away)."""
+    g = att.graph
     if not len(mem.times_us):
         return []
     times = mem.times_us
@@ -112,8 +113,7 @@ def _select_offload(g: StepGraph, mem: MemoryTimeline, stage: int, chosen: Offlo
     for key, nbytes in g.offload_sets.items():  # (stage, mb, layer[, slice])
         if key[0] != stage or key in chosen or nbytes == 0:
             continue
-        a = g.tasks[set_task_id(key, Kind.ATTN_FWD)].end_us
-        b = g.tasks[set_task_id(key, Kind.ATTN_DX)].start_us
+        a, b = att.span(key)
         spans.append((np.searchsorted(times, a, "left"), np.searchsorted(times, b, "left"), b, nbytes, key))
     picked: list[tuple[int, int, int]] = []
     used = [False] * len(spans)
@@ -142,13 +142,44 @@ def _remote_peer(cfg: Config, stage: int, peaks: list[int], budget: int) -> int 
     return best
 
 
-@dataclass
 class _Attempt:
-    graph: StepGraph
-    lane_orders: dict[tuple[int, str], list[str]]
-    memory: dict[tuple[int, str], MemoryTimeline]
-    peaks: list[int]
-    skip: frozenset[int] = frozenset()  # offload pairs of the base graph not chosen (fast search)
+    """One list schedule of the search: its memory, peaks and skipped offload pairs. On the fast
+    search's shared base graph the schedule stays in arrays (start and end times by task index, the
+    lanes' index orders, the durations when CPU contention changed them) until :meth:`materialize`
+    writes it into the graph's tasks: most attempts are only looked at for their memory, and the
+    graph then holds whichever attempt wrote last."""
+
+    def __init__(self, graph: StepGraph, memory: dict[tuple[int, str], MemoryTimeline], peaks: list[int],
+                 skip: frozenset[int] = frozenset(), *, lane_orders: dict | None = None, raw: tuple | None = None,
+                 search: "_Search | None" = None) -> None:
+        self.graph, self.memory, self.peaks, self.skip = graph, memory, peaks, skip
+        self._lane_orders, self._raw, self._search = lane_orders, raw, search
+
+    def materialize(self) -> None:
+        """Write this attempt's times (and durations) into the graph's tasks and build its lane orders."""
+        if self._raw is None:
+            return
+        orders, start_t, end_t, dur = self._raw
+        prep = self._search.prep
+        if dur is not None:
+            tasks = self.graph.tasks
+            for tid, d in zip(prep.ids, dur):
+                tasks[tid].duration_us = d
+        self._lane_orders = _lane_orders(self.graph, prep, orders, start_t, end_t)
+        self._raw = None
+
+    @property
+    def lane_orders(self) -> dict[tuple[int, str], list[str]]:
+        self.materialize()
+        return self._lane_orders
+
+    def span(self, key: tuple) -> tuple[float, float]:
+        """When activation set ``key`` is resident: its attn.fwd end and its attn.dx start."""
+        if self._raw is not None:
+            fwd, dx = self._search.span_idx[key]
+            return self._raw[2][fwd], self._raw[1][dx]
+        tasks = self.graph.tasks
+        return tasks[set_task_id(key, Kind.ATTN_FWD)].end_us, tasks[set_task_id(key, Kind.ATTN_DX)].start_us
 
 
 class _Search:
@@ -170,6 +201,8 @@ class _Search:
             self.pair = {k: (idx[set_task_id(k, Kind.ACT_OFFLOAD)], idx[set_task_id(k, Kind.ACT_ONLOAD)])
                          for k in self.all_sets}
             self.events = MemoryEvents([self.base.tasks[tid] for tid in self.prep.ids])
+            self.span_idx = {k: (idx[set_task_id(k, Kind.ATTN_FWD)], idx[set_task_id(k, Kind.ATTN_DX)])
+                             for k, b in first.offload_sets.items() if b}
             self.mem_base = {**{(s, "device"): d for s, d in enumerate(first.static_device)},
                              **{(s, "host"): h for s, h in enumerate(first.static_host)}}
 
@@ -183,23 +216,28 @@ class _Search:
         else:
             g = build_step(self.cfg, chosen)
             prep, skip = _prepare(g, self.slots), frozenset()
-        times: list = []
-        lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, times)
+        raw: list = []
+        lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
+        dur = None
         if not self.serial and self.cost.comm_cpu_ns_per_byte():
             for _ in range(2):  # [Note: CPU cost of communication]: a fixed point in two rounds
-                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost))
-                lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, times)
-            for tid, d in zip(busy.ids, busy.dur):
-                g.tasks[tid].duration_us = d
-        if self.fast:  # the base graph's memory events, laid out once
-            mem = self.events.timeline(times[0], times[1], skip, self.mem_base)
-        else:
-            mem = _device_memory(g, [g.tasks[tid] for tid in prep.ids])
-        return _Attempt(g, lane_orders, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip)
+                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
+                lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
+            dur = busy.dur
+            if not self.fast:
+                for tid, d in zip(busy.ids, busy.dur):
+                    g.tasks[tid].duration_us = d
+        if self.fast:  # the base graph's memory events, laid out once; the schedule stays in arrays
+            mem = self.events.timeline(raw[1], raw[2], skip, self.mem_base)
+            return _Attempt(g, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip,
+                            raw=(raw[0], raw[1], raw[2], dur), search=self)
+        mem = _device_memory(g, [g.tasks[tid] for tid in prep.ids])
+        return _Attempt(g, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip, lane_orders=lane_orders)
 
     def finish(self, att: _Attempt) -> StepGraph:
         """The attempt's graph with skipped offload pairs removed. Only once: the base graph is
         changed in place, so the search cannot run again afterwards."""
+        att.materialize()
         if not self.fast or not att.skip:
             return att.graph
         g, prep = att.graph, self.prep
@@ -216,18 +254,19 @@ class _Search:
         return g
 
 
-def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel) -> list[float]:
+def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel, raw: list) -> list[float]:
     """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
     gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
     sends or receives (``k3sched probe`` measures it), and an EP task's host-side work (routing
     bookkeeping, permutes: its ``overhead_us``) runs on the same core. A compute task that overlaps a transfer
     shares its core with that work, so it takes longer by the CPU time the overlapping transfers
     spend during it (each transfer's CPU spread evenly over its planned span). Returns the
-    durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (the
-    tasks' start_us / end_us); the caller schedules again with them."""
+    durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (``raw``:
+    its lane orders, start and end times by task index); the caller schedules again with them."""
     ns = cost.comm_cpu_ns_per_byte()
     dur = list(prep.dur)
     tasks, ids = g.tasks, prep.ids
+    start_t, end_t = raw[1], raw[2]
     by_stage: dict[int, tuple[list[int], list[tuple[float, float, float]]]] = defaultdict(lambda: ([], []))
     for i, tid in enumerate(ids):
         if i in skip:
@@ -236,11 +275,11 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
         comp, comm = by_stage[t.stage]
         if t.lane == "compute":
             comp.append(i)
-        elif t.end_us > t.start_us:
+        elif end_t[i] > start_t[i]:
             moved, host_us = cost.comm_cpu_load(t.kind, t.bytes)
             cpu = moved * ns / 1e3 + host_us
             if cpu:
-                comm.append((t.start_us, t.end_us, min(1.0, cpu / (t.end_us - t.start_us))))
+                comm.append((start_t[i], end_t[i], min(1.0, cpu / (end_t[i] - start_t[i]))))
     for comp, comm in by_stage.values():
         if not comm:
             continue
@@ -248,8 +287,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
         me = np.array([c[1] for c in comm])
         rate = np.array([c[2] for c in comm])
         for i in comp:
-            t = tasks[ids[i]]
-            ov = np.clip(np.minimum(me, t.end_us) - np.maximum(ms, t.start_us), 0.0, None)
+            ov = np.clip(np.minimum(me, end_t[i]) - np.maximum(ms, start_t[i]), 0.0, None)
             dur[i] = prep.dur[i] + float(ov @ rate)
     return dur
 
@@ -308,7 +346,7 @@ def _meet_budget(search: _Search, budget: int, level: tuple[int, int]) -> _Outco
         progressed = False
         for s in over:
             target = int(budget * 0.98)
-            for key in _select_offload(att.graph, att.memory[(s, "device")], s, chosen, target):
+            for key in _select_offload(att, att.memory[(s, "device")], s, chosen, target):
                 peer = _remote_peer(cfg, s, peaks, budget) if cfg.schedule.remote_offload else None
                 nbytes = att.graph.offload_sets[key]
                 if policy == "remote" and s + 1 < pp:  # forced placement: the next stage holds it
@@ -458,8 +496,6 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
                 if not o.over:
                     out, level = o, lv
                     break
-            if level == levels[-1] and len(levels) > 2:  # the levels between ran on the same graph
-                out.att = search.run(out.chosen, *level)
     if out.over:
         if not confirm:
             raise InfeasibleBudget("infeasible", max(best_peak))
