@@ -52,22 +52,15 @@ REPO = Path(__file__).resolve().parents[1]
 UNSUPPORTED_KINDS: dict[str, str] = {}  # task kind -> the option that emits it (none today)
 
 
-ACT_STORAGE_KINDS = frozenset({"act.offload", "act.onload", "act.roffload", "act.rstore", "act.rserve", "act.ronload"})
-
-
-def sliced_run_error(cfg, kinds: set[str]) -> str | None:
-    """Why this runtime cannot run a plan of sequence slices with task ``kinds`` (one line), or None:
-    activation offload and FP8 storage key their sets by (micro-batch, layer), not per slice, so a
-    sliced plan runs with activations kept on the device (grad_offload works: its groups are
-    per micro-batch and wait for every slice's dW)."""
+def sliced_run_error(cfg) -> str | None:
+    """Why this runtime cannot run a plan of sequence slices (one line), or None: FP8 storage of
+    slices is not checked against a reference yet; local and remote offload and grad_offload run
+    (a slice's set is its own buffer and its remote transfers' tags name the slice; gradient-shard
+    groups are per micro-batch and wait for every slice's dW)."""
     S = cfg.parallel.seq_chunks
     if S > 1 and cfg.schedule.act_quant == "fp8":
         return (f"schedule.act_quant: fp8 storage is not run on sequence slices (parallel.seq_chunks {S}) yet; "
                 "set schedule.act_quant none or parallel.seq_chunks 1")
-    off = sorted(kinds & ACT_STORAGE_KINDS)
-    if S > 1 and off:
-        return (f"schedule.offload: the runtime does not offload sequence slices' activations yet (parallel.seq_chunks "
-                f"{S}) and the plan has {off[0]} tasks; set schedule.offload none or parallel.seq_chunks 1")
     return None
 
 
@@ -152,6 +145,9 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
     if PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2 and cfg.schedule.grad_offload:
         raise ValueError(f"schedule.grad_offload: {cfg.schedule.pipeline} sums its two model copies' gradients on the "
                          "device (grad.mirror), the host shards do not; set schedule.grad_offload false")
+    err = sliced_run_error(cfg)
+    if err:
+        raise ValueError(err)
     world = cfg.parallel.world
     if nproc is not None and nproc != world:
         p = cfg.parallel
@@ -167,9 +163,6 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
     except P2PDeadlock as e:
         raise ValueError(str(e)) from None
     kinds = {t["kind"] for st in doc["stages"] for ts in st["lanes"].values() for t in ts}
-    err = sliced_run_error(cfg, kinds)
-    if err:
-        raise ValueError(err)
     for k in sorted(kinds & UNSUPPORTED_KINDS.keys()):
         raise ValueError(f"{UNSUPPORTED_KINDS[k]}: the plan has {k} tasks, which the runtime does not execute yet; "
                          f"set {UNSUPPORTED_KINDS[k]}=false")

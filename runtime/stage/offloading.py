@@ -38,26 +38,26 @@ class OffloadOps:
     def _tracked(self, h: Handler) -> Handler:
         """Run ``h`` with the activation bookkeeping around it (see the module docstring)."""
         def run(t: PlanTask) -> None:
-            key = (t.mb, t.layer)
+            key = (self.state_key(t), t.layer)  # a set per (micro-batch or slice, layer)
             bwd = t.kind in BACKWARD_KINDS and t.mb is not None and t.layer is not None
             quantized = key in self._quantized
             names = None
             if bwd and quantized:  # an FP8 set: what this task reads back in full precision
-                lc = self.mbs[t.mb].layers[t.layer]
+                lc = self.mbs[key[0]].layers[t.layer]
                 names = self._reads(t, lc)
                 self.acts.dequantize_resident(self._buffer(t), lc, t.id, t.kind.op, names)
             if bwd and self.acts.debug and (key in self._offloaded or quantized) \
                     and not self.acts.resident_for(self._buffer(t), t.kind.op, names):
-                raise RuntimeError(f"reads layer {t.layer} of micro-batch {t.mb} before its onload finished")
+                raise RuntimeError(f"reads layer {t.layer} of {self.mbs[key[0]].label} before its onload finished")
             h(t)
             if quantized and t.kind in LAST_FORWARD:
-                self.acts.quantize_resident(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
+                self.acts.quantize_resident(self._buffer(t), self.mbs[key[0]].layers[t.layer], t.id)
             if bwd and (key in self._offloaded or quantized):
                 with self._mem_lock:
                     self._bwd_left[key] -= 1
                     last = self._bwd_left[key] == 0
                 if last:
-                    self.acts.release(self._buffer(t), self.mbs[t.mb].layers[t.layer], self._lane_fence())
+                    self.acts.release(self._buffer(t), self.mbs[key[0]].layers[t.layer], self._lane_fence())
             with self._mem_lock:
                 self.memory.sample()
         return run
@@ -73,7 +73,9 @@ class OffloadOps:
         return c.store.names_of(GRAPH_USER) if c is not None else set()
 
     def _buffer(self, t: PlanTask) -> str:
-        return f"s{self.spec.stage}/mb{t.mb}/L{t.layer}/act"
+        """The set's name, as plan.json's ``buffer`` (``s0/mb2/L4/act``; a slice's ``s0/mb2q1/L4/act``)."""
+        mb = f"mb{t.mb}" if t.slice is None else f"mb{t.mb}q{t.slice}"
+        return f"s{self.spec.stage}/{mb}/L{t.layer}/act"
 
     def _lane_fence(self):
         """GPU: events on every lane stream that may still read a released buffer."""
@@ -98,24 +100,28 @@ class OffloadOps:
         self.acts.bind_compute_stream(streams.get("compute"))
 
     def _offload(self, t: PlanTask) -> None:
-        self.acts.offload_local(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
+        self.acts.offload_local(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer], t.id)
 
     def _onload(self, t: PlanTask) -> None:
-        self.acts.onload_local(self._buffer(t), self.mbs[t.mb].layers[t.layer], t.id)
+        self.acts.onload_local(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer], t.id)
+
+    def _unit(self, t: PlanTask) -> int:
+        """The pipeline unit of a remote transfer's tags: the micro-batch, or mb * S + slice."""
+        return t.mb if t.slice is None else t.mb * self.cfg.parallel.seq_chunks + t.slice
 
     def _roffload(self, t: PlanTask) -> None:
-        self.acts.offload_remote(self._buffer(t), self.mbs[t.mb].layers[t.layer], self.groups.pp_rank(t.peer_stage),
-                                 t.mb, t.layer, t.id)
+        self.acts.offload_remote(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer],
+                                 self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
     def _ronload(self, t: PlanTask) -> None:
-        self.acts.onload_remote(self._buffer(t), self.mbs[t.mb].layers[t.layer], self.groups.pp_rank(t.peer_stage),
-                                t.mb, t.layer, t.id)
+        self.acts.onload_remote(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer],
+                                self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
     def _rstore(self, t: PlanTask) -> None:
-        self.acts.store_remote(t.buffer, self.groups.pp_rank(t.peer_stage), t.mb, t.layer, t.id)
+        self.acts.store_remote(t.buffer, self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
     def _rserve(self, t: PlanTask) -> None:
-        self.acts.serve_remote(t.buffer, self.groups.pp_rank(t.peer_stage), t.mb, t.layer, t.id)
+        self.acts.serve_remote(t.buffer, self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
 
 def build_remote_group(groups: Groups, plan: Mapping, timeout=None):
@@ -138,12 +144,14 @@ def build_remote_group(groups: Groups, plan: Mapping, timeout=None):
 
 def remote_order(lanes: Mapping[str, list[PlanTask]], stage: int) -> dict[str, dict[int, list]]:
     """Transfers of the offload_remote lane by peer stage, in lane order: ``send`` (roffload,
-    rserve) and ``recv`` (rstore, ronload) keys ``(direction, mb, layer)``."""
+    rserve) and ``recv`` (rstore, ronload) keys ``(direction, mb, layer)`` (``(direction, mb, layer,
+    slice)`` for a slice's)."""
     out: dict[str, dict[int, list]] = {"send": {}, "recv": {}}
     for t in lanes.get("offload_remote", []):
         d = "out" if t.kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RSTORE) else "back"
         side = "send" if t.kind in (Kind.ACT_ROFFLOAD, Kind.ACT_RSERVE) else "recv"
-        out[side].setdefault(t.peer_stage, []).append([d, t.mb, t.layer])
+        out[side].setdefault(t.peer_stage, []).append([d, t.mb, t.layer] if t.slice is None
+                                                      else [d, t.mb, t.layer, t.slice])
     return out
 
 

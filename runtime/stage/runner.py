@@ -79,10 +79,11 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         """Per training step of the plan, this rank's loss contribution (:meth:`end_step`)."""
         if self.plan_steps > 1:
             self.init_versions()  # two weight versions (runtime/stage/optimizer.py)
-        self._bwd_left: dict[tuple[int, int], int] = {}  # (mb, layer) -> backward tasks left this step
-        self._bwd_count: dict[tuple[int, int], int] = {}
-        self._offloaded: set[tuple[int, int]] = set()  # (mb, layer) sets the plan offloads
-        self._quantized: set[tuple[int, int]] = set()  # (mb, layer) sets kept on the device as FP8
+        # activation sets by (state_key, layer): (mb, layer), or ((mb, slice), layer) per slice
+        self._bwd_left: dict[tuple, int] = {}  # set -> backward tasks left this step
+        self._bwd_count: dict[tuple, int] = {}
+        self._offloaded: set[tuple] = set()  # sets the plan offloads
+        self._quantized: set[tuple] = set()  # sets kept on the device as FP8
         self._mem_lock = threading.Lock()
         self.sends = PendingSends()
         self.memory = MemoryTracker(self._static_tensors, self._saved_tensors, self.acts, self.device,
@@ -112,10 +113,9 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
     # -- plan-dependent set-up -------------------------------------------------------------------
     def bind_plan(self, lanes: Mapping[str, list[PlanTask]]) -> None:
         """Read what the handlers need from the plan: the bucket count of each layer's grad.rs."""
-        if self.cfg.parallel.seq_chunks > 1:
-            err = sliced_run_error(self.cfg, {t.kind.value for ts in lanes.values() for t in ts})
-            if err:
-                raise ValueError(err)
+        err = sliced_run_error(self.cfg)
+        if err:
+            raise ValueError(err)
         for t in lanes["collective"]:
             if t.kind is Kind.GRAD_RS:
                 key = (t.chunk, t.layer)
@@ -123,13 +123,13 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         for ts in lanes.values():
             for t in ts:
                 if t.mb is not None and t.layer is not None and t.kind in BACKWARD_KINDS:
-                    k = (t.mb, t.layer)
+                    k = (self.state_key(t), t.layer)
                     self._bwd_count[k] = self._bwd_count.get(k, 0) + 1
                 if t.kind in (Kind.ACT_OFFLOAD, Kind.ACT_ROFFLOAD):
-                    self._offloaded.add((t.mb, t.layer))
+                    self._offloaded.add((self.state_key(t), t.layer))
         if self.cfg.schedule.act_quant == "fp8":  # [Note: FP8 on the device]: the sets the plan keeps
-            self._quantized = {(t.mb, t.layer) for ts in lanes.values() for t in ts
-                               if t.kind in LAST_FORWARD and (t.mb, t.layer) not in self._offloaded}
+            self._quantized = {(self.state_key(t), t.layer) for ts in lanes.values() for t in ts
+                               if t.kind in LAST_FORWARD and (self.state_key(t), t.layer) not in self._offloaded}
         if self.gshards is not None:
             self.gshards.bind(lanes)
 
