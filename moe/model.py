@@ -124,9 +124,13 @@ def sliced_aux_grad(counts_BE: Tensor, seq_len: int, top_k: int, aux_grad: float
     return counts_BE * (E / (seq_len * top_k)) * (aux_grad / (B * seq_len))
 
 
-def _offset_causal_mask(start: int, end: int, device: torch.device) -> Tensor:
-    """``[end - start, end]`` bool mask: query ``start + i`` attends to keys ``0 .. start + i``."""
-    return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+def _offset_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[end - start, end]`` additive mask: query ``start + i`` attends to keys ``0 .. start + i``
+    (0), the later keys get half the dtype's lowest value, which softmax turns into exactly 0
+    weight like -inf. Finite on purpose: SDPA saves the mask for its backward, and a -inf in a
+    saved tensor becomes NaN under FP8 storage (``schedule.act_quant: fp8``)."""
+    later = torch.arange(end, device=device)[None, :] > torch.arange(start, end, device=device)[:, None]
+    return torch.zeros(later.shape, dtype=dtype, device=device).masked_fill_(later, torch.finfo(dtype).min / 2)
 
 
 def skew_bias(experts: int, skew: float, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
@@ -299,7 +303,7 @@ class Block(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 o = F.scaled_dot_product_attention(q, *self._kv_prefix(c, seq, j, k, v),
-                                                   attn_mask=_offset_causal_mask(*seq.bounds[j], q.device))
+                                                   attn_mask=_offset_causal_mask(*seq.bounds[j], q.dtype, q.device))
             o_BSD = o.transpose(1, 2).reshape(B, S, D)
             if seq is not None:  # later slices attend to this slice's K / V
                 seq.keep_kv(self.layer, j, (c.output("k", k), c.output("v", v)) if j < seq.slices - 1 else None)

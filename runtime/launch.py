@@ -52,18 +52,6 @@ REPO = Path(__file__).resolve().parents[1]
 UNSUPPORTED_KINDS: dict[str, str] = {}  # task kind -> the option that emits it (none today)
 
 
-def sliced_run_error(cfg) -> str | None:
-    """Why this runtime cannot run a plan of sequence slices (one line), or None: FP8 storage of
-    slices is not checked against a reference yet; local and remote offload and grad_offload run
-    (a slice's set is its own buffer and its remote transfers' tags name the slice; gradient-shard
-    groups are per micro-batch and wait for every slice's dW)."""
-    S = cfg.parallel.seq_chunks
-    if S > 1 and cfg.schedule.act_quant == "fp8":
-        return (f"schedule.act_quant: fp8 storage is not run on sequence slices (parallel.seq_chunks {S}) yet; "
-                "set schedule.act_quant none or parallel.seq_chunks 1")
-    return None
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,9 +133,6 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
     if PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2 and cfg.schedule.grad_offload:
         raise ValueError(f"schedule.grad_offload: {cfg.schedule.pipeline} sums its two model copies' gradients on the "
                          "device (grad.mirror), the host shards do not; set schedule.grad_offload false")
-    err = sliced_run_error(cfg)
-    if err:
-        raise ValueError(err)
     world = cfg.parallel.world
     if nproc is not None and nproc != world:
         p = cfg.parallel

@@ -22,7 +22,6 @@ from offload.gradshard import GradShards
 
 from ..executor import Handler, PlanTask
 from ..groups import Groups
-from ..launch import sliced_run_error
 from .faults import FaultInjection
 from .gradients import GradientOps
 from .memory import MemorySampling
@@ -113,9 +112,6 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
     # -- plan-dependent set-up -------------------------------------------------------------------
     def bind_plan(self, lanes: Mapping[str, list[PlanTask]]) -> None:
         """Read what the handlers need from the plan: the bucket count of each layer's grad.rs."""
-        err = sliced_run_error(self.cfg)
-        if err:
-            raise ValueError(err)
         for t in lanes["collective"]:
             if t.kind is Kind.GRAD_RS:
                 key = (t.chunk, t.layer)
