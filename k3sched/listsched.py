@@ -38,6 +38,14 @@ class _Prepared:
 
 
 _MAX_SLOT = 1 << 30
+# [Note: compute tasks outside the backbone gate] A compute task is "main" (counts for the slot
+# gate, :class:`_SlotGate`) when it is backbone work: not WGrad, not the optimizer, and not
+# gshard.add, the host-shard accumulation of a flushed gradient (grad_offload). gshard.add waits on
+# its layer's DP reduce-scatter, a background collective that yields the NIC to every EP and P2P
+# transfer; as a main task it held every later slot of its rank until those buckets were through
+# (K2-like: 41-55 ms of compute idle, 8 times per rank, 4.5% of the step). Outside the gate it
+# still runs with its slot's priority (ahead of later slots) as soon as its reduction is done.
+_NOT_MAIN = frozenset({Kind.OPTIM, Kind.GSHARD_ADD})
 
 
 def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
@@ -60,7 +68,7 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
         lane.append(ln)
         slot.append(s)
         wgrad.append(wg)
-        main.append(ln == 0 and not wg and t.kind is not Kind.OPTIM)
+        main.append(ln == 0 and not wg and t.kind not in _NOT_MAIN)
         p2p.append(t.kind in P2P_KINDS)
         bg.append(t.kind in _BACKGROUND)
         dur.append(t.duration_us)

@@ -4,7 +4,8 @@ Strategy ``k3`` is an event-driven list scheduler over (stage, lane) resources:
 
 * the pipeline backbone (one list of slots per PP rank, see :mod:`k3sched.schedules`) orders the
   compute lane: tasks of slot k+1 become eligible once every non-WGrad compute task of slot k has
-  started; within a slot, ready tasks run in topological order (critical path first);
+  started (gshard.add aside: [Note: compute tasks outside the backbone gate] in listsched.py);
+  within a slot, ready tasks run in topological order (critical path first);
 * WGrad (dW) tasks are *fill* work: the compute lane runs one whenever nothing of the current
   slot is ready (e.g. while an EP all-to-all is in flight), and must run one once it is
   ``schedule.wgrad_lag`` slots overdue;
