@@ -3,7 +3,7 @@
 No torch: the planner, the CLI (``k3sched balance``) and the runtime read the same placements.
 
 [Note: router skew] ``model.router_skew`` s (a Zipf exponent, 0 = uniform) adds the fixed bias
-``-s * ln(e + 1)`` to expert e's router logit (``moe/model.py``, ``skew_bias``), so expert e's
+``-s * ln(e + 1)`` to expert e's router logit (``moe/functional.py``, ``skew_bias``), so expert e's
 softmax score is multiplied by ``(e + 1) ** -s`` before top-k selection. The bias is a constant of
 the model (not a parameter, not learned), so training stays deterministic. If the logits were
 i.i.d. Gumbel, top-1 routing would pick expert e with probability exactly ``(e + 1) ** -s / H``

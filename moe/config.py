@@ -61,7 +61,7 @@ class MoEModelArgs:
     """RMSNorm epsilon."""
     router_skew: float = 0.0
     """Zipf exponent of expert popularity (0: uniform): the fixed router-logit bias
-    ``-router_skew * ln(e + 1)`` of expert e (see ``skew_bias`` in ``moe/model.py``)."""
+    ``-router_skew * ln(e + 1)`` of expert e (see ``skew_bias`` in ``moe/functional.py``)."""
     recompute: bool = False
     """Element-wise recompute (``schedule.recompute``): keep the inputs of RMSNorm and SwiGLU, not
     their outputs, and recompute them in the dX task (bitwise identical; see [Note: element-wise
