@@ -20,6 +20,8 @@ class MemorySampling:
             out += [v for v in st.values() if isinstance(v, Tensor) and v.dim() > 0]
         if self.gshards is not None:
             out += self.gshards.device_tensors()
+        if self.versions is not None:  # pipedream-2bw: both weight versions (the parameters use one)
+            out += [w for version in self.versions for w in version]
         return out
 
     def _saved_tensors(self) -> list[Tensor]:
