@@ -259,3 +259,22 @@ def test_fp8_storage_of_slices_trains_like_unsliced_fp8():
     den = sum(float(ref_grads[k].double().pow(2).sum()) for k in ref_grads)
     assert 0.06 < math.sqrt(num / den) < 0.11, math.sqrt(num / den)  # measured 0.0899 (unsliced FP8: 0.0898)
     assert fp8_peak < 0.8 * sliced_peak, (fp8_peak, sliced_peak)  # measured 8.2 vs 13.6 MB
+
+
+def test_the_kept_keys_and_values_are_what_memory_accounting_sees():
+    # runtime/stage/memory.py counts SequenceState.tensors() once per micro-batch: the K / V kept for
+    # later slices and the K / V gradients handed back, until they are dropped
+    import torch
+
+    from moe.context import SequenceState
+
+    seq = SequenceState(bounds=((0, 4), (4, 8), (8, 12)), batch=1)
+    k0, v0, k1, v1 = (torch.randn(1, 2, 4, 3) for _ in range(4))
+    seq.keep_kv(0, 0, (k0, v0))
+    seq.keep_kv(0, 1, (k1, v1))
+    gk, gv = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 3)
+    seq.add_grad_kv(0, 0, gk, gv)
+    held = {id(t) for t in seq.tensors()}
+    assert held == {id(k0), id(v0), id(k1), id(v1), id(gk), id(gv)}
+    seq.keep_kv(0, 2, None)  # the last slice drops the layer's prefix
+    assert {id(t) for t in seq.tensors()} == {id(gk), id(gv)}

@@ -26,6 +26,9 @@ class MemorySampling:
 
     def _saved_tensors(self) -> list[Tensor]:
         out: list[Tensor] = []
+        seqs = {id(mb.seq): mb.seq for mb in list(self.mbs.values()) if mb.seq is not None}
+        for seq in seqs.values():  # sequence slices: the K / V kept for later slices, once per micro-batch
+            out += seq.tensors()
         for mb in list(self.mbs.values()):
             for L in self.spec.layers:
                 out += list(mb.layers[L].saved_tensors().values())
