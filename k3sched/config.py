@@ -274,7 +274,9 @@ class ScheduleConfig(_Section):
     """How many backward chunks a WGrad task may trail its dX (k3 strategy), 0..65536."""
     lookahead: int = _int(0, 65536, default=1)
     """k3: backbone slots the compute lane may run ahead while the current slot waits on communication
-    (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do); 0..65536."""
+    (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do); 0..65536. At 0
+    a slot without forwards may still start one ahead ([Note: backward look-ahead at look-ahead 0] in
+    k3sched/listsched.py)."""
     storage: dict[str, Literal["keep", "offload", "offload+fp8"]] = Field(default_factory=dict)
     """Storage policy per sub-op ([Note: storage policies from the config]): ``{OP_PATTERN: policy}``,
     a glob over the sub-ops that save activations (:data:`STORAGE_OPS`), first match wins; policy
