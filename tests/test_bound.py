@@ -50,7 +50,7 @@ def _case(name: str, room: float):
     budget = (max(g.static_device) + room * max(per.values())) / GiB
     cfg = _cfg(inst, budget)
     g = build_step(cfg)
-    res = solve_exact(cfg, mode="free", budget_bytes=cfg.budget_bytes, deterministic_time=2.0, workers=2,
+    res = solve_exact(cfg, mode="free", budget_bytes=cfg.budget_bytes, deterministic_time=2.0, workers=1,
                       seed=0, time_limit_s=60.0)
     return cfg, g, res
 
