@@ -81,3 +81,30 @@ class FakeCtx:
     def replace(self, name, x):
         assert x.shape == self.t[name].shape and x.dtype == self.t[name].dtype
         self.t[name] = x
+
+
+def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | None = None,
+                      limit_s: float = 240.0, what: str = "the runs") -> tuple[int, str]:
+    """Run ``tests/p2p_worker.py`` with ``spec`` (written to ``work/spec.json``) under one torchrun
+    launch of ``nproc`` ranks (gloo, a free loopback port, no restarts), as tests/test_p2p.py does;
+    returns (exit code, combined output). Fails the test when it outlives ``limit_s``; the process
+    group is killed either way."""
+    import json
+    import subprocess
+    import sys
+
+    from runtime.launch import _run_env, free_port, kill_group
+
+    (work / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+           str(ROOT / "tests" / "p2p_worker.py"), str(work / "spec.json")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(env), start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} took longer than {limit_s:.0f} s")
+    finally:
+        kill_group(proc)
+    return proc.returncode, out

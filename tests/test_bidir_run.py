@@ -24,7 +24,7 @@ from k3sched.cost import CostModel
 from k3sched.planner import plan
 from k3sched.tasks import WGRAD_KINDS, Kind
 
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, launch_p2p_worker
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 SMALL = ["parallel.vpp=1", "parallel.microbatches=4", "model.layers=4", "model.seq_len=16",
@@ -120,24 +120,12 @@ LIMIT_S = 300.0
 
 
 def _launch(tmp: Path, nproc: int, runs: dict[str, list[str]]) -> None:
-    from runtime.launch import _run_env, free_port, kill_group
 
     spec = {"runs": [{"out": str(tmp / n), "overrides": ov, "p2p": "buffered", "steps": 3,
                       "args": ["--dump-params"]} for n, ov in runs.items()], "timeout_s": 120}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
-           str(ROOT / "tests" / "p2p_worker.py"), str(tmp / "spec.json")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(None), start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the runs took longer than {LIMIT_S:.0f} s")
-    finally:
-        kill_group(proc)
+    rc, out = launch_p2p_worker(spec, tmp, nproc=nproc, limit_s=LIMIT_S)
     errors = sorted(str(p) + ": " + p.read_text().strip() for p in tmp.rglob("error_rank*.txt"))
-    assert proc.returncode == 0, f"{errors}; output: {out[-3000:]}"
+    assert rc == 0, f"{errors}; output: {out[-3000:]}"
 
 
 def _check(d: Path, overrides: list[str]) -> None:

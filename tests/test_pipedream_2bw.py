@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from k3sched.compare import compare
-from k3sched.config import ConfigError, load_config
+from k3sched.config import load_config
 from k3sched.cost import CostModel
 from k3sched.pipelines import TABLE
 from k3sched.planner import plan
 from k3sched.schedules import Action, generate, simulate_uniform
 from k3sched.tasks import Kind, format_task_id, parse_task_id
 
-from conftest import CONFIGS, ROOT, one_line
+from conftest import CONFIGS, ROOT, launch_p2p_worker, one_line
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 SMALL = ["parallel.ep=1", "model.seq_len=16", "model.micro_batch_size=1", "schedule.offload=none"]
@@ -208,24 +208,12 @@ LIMIT_S = 240.0
 
 @pytest.mark.slow
 def test_runs_like_the_delayed_reference_and_its_traces_validate(tmp_path):
-    from runtime.launch import _run_env, free_port, kill_group
     from runtime.reference import reference_run
 
     d = tmp_path / "run"
     spec = {"runs": [{"out": str(d), "overrides": RUN, "p2p": "buffered", "steps": 3}], "timeout_s": 90}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(ROOT / "tests" / "p2p_worker.py"),
-           str(tmp_path / "spec.json")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(None), start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the run took longer than {LIMIT_S:.0f} s")
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, out[-3000:]
+    rc, out = launch_p2p_worker(spec, tmp_path, limit_s=LIMIT_S, what="the run")
+    assert rc == 0, out[-3000:]
     summary = json.loads((d / "summary.json").read_text())
     # three runs of the two-step plan: six training steps, each with its loss
     assert summary["pipeline"] == "pipedream-2bw" and len(summary["losses"]) == 6

@@ -20,7 +20,7 @@ from k3sched.compare import compare
 from k3sched.config import load_config
 from k3sched.planner import plan
 
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, launch_p2p_worker
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 # equal stages: every layer MoE, split evenly, no offload, a budget that never binds
@@ -113,7 +113,6 @@ LIMIT_S = 240.0
 
 @pytest.mark.slow
 def test_v_half_and_v_min_train_like_the_reference_and_their_traces_validate(tmp_path):
-    from runtime.launch import _run_env, free_port, kill_group
     from runtime.reference import reference_run
 
     names = ("v-half", "v-min")
@@ -121,19 +120,8 @@ def test_v_half_and_v_min_train_like_the_reference_and_their_traces_validate(tmp
                       "steps": 3} for n in names], "timeout_s": 90, "crossing": str(tmp_path / "crossing"),
             "crossing_timeout_s": 2.0}
     (tmp_path / "crossing").mkdir()
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(ROOT / "tests" / "p2p_worker.py"),
-           str(tmp_path / "spec.json")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(None), start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the runs took longer than {LIMIT_S:.0f} s")
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, out[-3000:]
+    rc, out = launch_p2p_worker(spec, tmp_path, limit_s=LIMIT_S)
+    assert rc == 0, out[-3000:]
     for name in names:
         d = tmp_path / name
         summary = json.loads((d / "summary.json").read_text())

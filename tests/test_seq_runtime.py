@@ -160,30 +160,18 @@ def test_sliced_runs_train_like_the_unsliced_reference_and_their_traces_validate
 
     from k3sched.config import load_config
     from k3sched.seqslice import slice_bounds
-    from runtime.launch import _run_env, free_port, kill_group
     from runtime.reference import reference_run
 
-    from conftest import CONFIGS, ROOT
+    from conftest import CONFIGS, ROOT, launch_p2p_worker
 
     tiny = CONFIGS / "tiny-cpu.yaml"
     runs = {**{n: (*r, None) for n, r in RUNS.items()}, **_offload_runs(tiny)}
     spec = {"runs": [{"out": str(tmp_path / n), "overrides": ov, "p2p": p2p, "steps": 3}
                      for n, (ov, p2p, _, _) in runs.items()], "timeout_s": 90}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(ROOT / "tests" / "p2p_worker.py"),
-           str(tmp_path / "spec.json")]
     # offload debug: checksums of every offloaded set and residency checks before every backward read
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env({"K3SCHED_OFFLOAD_DEBUG": "1"}), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the runs took longer than {LIMIT_S:.0f} s")
-    finally:
-        kill_group(proc)
+    rc, out = launch_p2p_worker(spec, tmp_path, env={"K3SCHED_OFFLOAD_DEBUG": "1"}, limit_s=LIMIT_S)
     errors = "".join(p.read_text() for p in tmp_path.glob("*/error_rank*.txt"))
-    assert proc.returncode == 0, out[-3000:] + errors[-3000:]
+    assert rc == 0, out[-3000:] + errors[-3000:]
     for name, (ov, _, bounds, where) in runs.items():
         d = tmp_path / name
         cfg = load_config(tiny, ov)
