@@ -273,19 +273,23 @@ def compare(
                                                                        "sequence slice counts, e.g. 1,2,4,8 (Seq1F1B, "
                                                                        "parallel.seq_chunks) and list step, peak "
                                                                        "device memory and largest slice time."),
-    seq_split: str = typer.Option("even,compute", "--seq-split", help="With --seq-chunks: the splits to plan "
-                                                                      "(parallel.seq_split), comma-separated."),
+    seq_split: Optional[str] = typer.Option(None, "--seq-split", help="With --seq-chunks: the splits to plan "
+                                                                         "(parallel.seq_split), comma-separated; "
+                                                                         "default even,compute."),
 ) -> None:
     """Plan one config under every pipeline schedule (k3) and serial; print a comparison table."""
     from .compare import compare_command
 
+    if seq_split is not None and seq_chunks is None:
+        fail("--seq-split: only with --seq-chunks (the slice counts to plan); allowed: e.g. --seq-chunks 1,2,4,8 "
+             "--seq-split even,compute")
+    splits = [s.strip() for s in (seq_split or "even,compute").split(",")]
     cfg = _load(config, set_)
     if seq_chunks is not None:
         from .compare import compare_slices, parse_int_list, render_slices
 
         try:
-            rows = compare_slices(cfg, parse_int_list("--seq-chunks", seq_chunks),
-                                  [s.strip() for s in seq_split.split(",")])
+            rows = compare_slices(cfg, parse_int_list("--seq-chunks", seq_chunks), splits)
         except ConfigError as e:
             fail(str(e))
         console.print(render_slices(rows, cfg))

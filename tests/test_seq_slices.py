@@ -336,6 +336,7 @@ def test_compare_seq_chunks_lists_every_variant():
     (["--seq-chunks", "1,x"], "--seq-chunks: expected comma-separated integers >= 1"),
     (["--seq-chunks", "0"], "--seq-chunks: expected comma-separated integers >= 1"),
     (["--seq-chunks", "2", "--seq-split", "tokens"], "--seq-split: 'tokens' is not a split; allowed: even, compute"),
+    (["--seq-split", "even"], "--seq-split: only with --seq-chunks"),
 ])
 def test_compare_bad_seq_options_are_one_line(args, expected):
     r = subprocess.run([sys.executable, "-m", "k3sched.cli", "compare", str(TINY), *args], capture_output=True,
