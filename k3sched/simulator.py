@@ -12,7 +12,7 @@ sweep (O(tasks + edges)). A cycle means the order deadlocks; the error names the
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -116,53 +116,20 @@ def memory_timeline(tasks: Iterable[Task], base: Mapping[tuple[int, str], int] |
     """Bytes in use over time per (stage, space). Remote offload bytes count as ``peer`` memory
     of the stage that holds them (``task.peer_stage``), not of the stage that sent them; a task's
     ``release`` frees device bytes of another stage at its end (a receive, its send's buffer). Frees
-    at an instant come before allocations at the same instant; then creation order."""
-    base = dict(base or {})
-    keys: list[tuple[int, str]] = []
-    times: list[float] = []
-    kinds: list[int] = []
-    deltas: list[int] = []
+    at an instant come before allocations at the same instant; then creation order (the events
+    themselves: :class:`MemoryEvents`)."""
+    tasks = list(tasks)
     for t in tasks:
         assert t.start_us is not None and t.end_us is not None, f"{t.id} not scheduled"
-        a, f = t.alloc, t.free
-        if a.device:
-            keys.append((t.stage, "device")); times.append(t.start_us); kinds.append(1); deltas.append(a.device)
-        if f.device:
-            keys.append((t.stage, "device")); times.append(t.end_us); kinds.append(0); deltas.append(-f.device)
-        if a.host:
-            keys.append((t.stage, "host")); times.append(t.start_us); kinds.append(1); deltas.append(a.host)
-        if f.host:
-            keys.append((t.stage, "host")); times.append(t.end_us); kinds.append(0); deltas.append(-f.host)
-        if t.release is not None and t.release[1]:
-            keys.append((t.release[0], "device")); times.append(t.end_us); kinds.append(0); deltas.append(-t.release[1])
-        if a.peer or f.peer:
-            owner = t.peer_stage if t.peer_stage is not None else t.stage
-            if a.peer:
-                keys.append((owner, "peer")); times.append(t.start_us); kinds.append(1); deltas.append(a.peer)
-            if f.peer:
-                keys.append((owner, "peer")); times.append(t.end_us); kinds.append(0); deltas.append(-f.peer)
-    out: dict[tuple[int, str], MemoryTimeline] = {}
-    groups: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for i, k in enumerate(keys):
-        groups[k].append(i)
-    tarr, karr, darr = np.asarray(times, dtype=float), np.asarray(kinds), np.asarray(deltas, dtype=np.int64)
-    for key in sorted(set(groups) | set(base)):
-        b = base.get(key, 0)
-        idx = np.asarray(groups.get(key, []), dtype=np.int64)
-        if not len(idx):
-            out[key] = MemoryTimeline(np.zeros(0), np.array([b]), base=b)
-            continue
-        order = idx[np.lexsort((idx, karr[idx], tarr[idx]))]
-        out[key] = MemoryTimeline(tarr[order], b + np.cumsum(darr[order]), base=b)
-    return out
+    return MemoryEvents(tasks).timeline([t.start_us for t in tasks], [t.end_us for t in tasks], (), base)
 
 
 class MemoryEvents:
-    """The memory events of a fixed list of tasks, laid out once as arrays, so that the timelines of
-    :func:`memory_timeline` for new start and end times, and for the tasks not skipped, cost a few
-    numpy passes instead of a walk over every task. The planner's offload search schedules one
-    graph many times (k3sched/planner.py ``_Search``). ``timeline`` gives exactly what
-    ``memory_timeline`` gives for the kept tasks in list order with those times (tested)."""
+    """The memory events of a fixed list of tasks (an allocation at a task's start, a free at its
+    end, per (stage, space)), laid out once as arrays, so that the timelines for new start and end
+    times, and for the tasks not skipped, cost a few numpy passes: the planner's offload search
+    schedules one graph many times (k3sched/planner.py ``_Search``). :func:`memory_timeline` is
+    its one-shot use."""
 
     def __init__(self, tasks: Sequence[Task]) -> None:
         codes: dict[tuple[int, str], int] = {}

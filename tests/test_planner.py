@@ -330,11 +330,36 @@ def test_the_leanest_level_check_does_not_change_a_plan_that_fits(tiny_cfg, monk
 @pytest.mark.parametrize("over", [["schedule.offload=all"], ["schedule.offload=remote",
                                                                  "schedule.device_memory_budget=0.0255"], []])
 def test_memory_events_give_memory_timelines_exactly(tiny_cfg, over):
-    # the offload search's array form of memory_timeline (k3sched/simulator.py MemoryEvents), on a
-    # planned step with local, remote (peer bytes) and P2P (release) effects, for several skip sets
+    # k3sched/simulator.py MemoryEvents (the offload search's arrays; memory_timeline uses them too)
+    # against a plain replay, on a planned step with local, remote (peer bytes) and P2P (release)
+    # effects, for several skip sets
     import random
+    from types import SimpleNamespace
 
-    from k3sched.simulator import MemoryEvents, memory_timeline
+    import numpy as np
+
+    from k3sched.simulator import MemoryEvents
+
+    def memory_timeline(kept, base):  # the simple reference: events sorted per (stage, space)
+        events = defaultdict(list)
+        for n, t in enumerate(kept):
+            owner = t.stage if t.peer_stage is None else t.peer_stage
+            effects = [((t.stage, "device"), True, t.alloc.device), ((t.stage, "device"), False, -t.free.device),
+                       ((t.stage, "host"), True, t.alloc.host), ((t.stage, "host"), False, -t.free.host),
+                       ((owner, "peer"), True, t.alloc.peer), ((owner, "peer"), False, -t.free.peer)]
+            if t.release is not None:
+                effects.append(((t.release[0], "device"), False, -t.release[1]))
+            for key, at_start, delta in effects:
+                if delta:
+                    events[key].append((t.start_us if at_start else t.end_us, int(at_start), n, delta))
+        out = {}
+        for key in sorted(set(events) | set(base)):
+            evs = sorted(events.get(key, []))
+            b0 = base.get(key, 0)
+            out[key] = SimpleNamespace(base=b0, times_us=np.array([e[0] for e in evs], dtype=float),
+                                       bytes=b0 + np.cumsum(np.array([e[3] for e in evs], dtype=np.int64))
+                                       if evs else np.array([b0]))
+        return out
 
     cfg = load_config(CONFIGS / "tiny-cpu.yaml", over)
     p = plan(cfg)
