@@ -57,6 +57,18 @@ Python dict iterated while it changes size). The read is retried, yielding the i
 tries; a sample whose tracked read still fails records the allocated figure alone and is counted
 in :attr:`MemoryTracker.missed_samples`, which the run's trace, summary and closing line report.
 Any other error of the read propagates.
+
+[Note: static tensors read by one thread]
+The static tensors (parameters, their ``.grad``, optimizer state, weight versions) are changed by
+one lane only, the compute lane (backward, WGrad, the optimizer), and some of those changes are
+not safe to watch from another thread: ``optimizer.zero_grad(set_to_none=True)`` frees a gradient
+whose Python object torch tears down with the interpreter lock released part-way, so another
+lane's ``p.grad`` read in that window increfs a dying object (a SIGSEGV seen in a pipedream-2bw
+run, where the optimizer runs mid-plan while other lanes sample), and autograd sets ``.grad``
+without the lock at all. So only samples taken on the compute lane walk the static tensors
+(``read_static=True``; also :meth:`MemoryTracker.begin_step`, before the lanes run); samples of the
+other lanes count the table of the compute lane's last walk, which is exact between compute tasks
+and misses at most what the compute task in progress has changed.
 """
 
 from __future__ import annotations
@@ -191,6 +203,7 @@ class MemoryTracker:
         self._base: tuple[int, int] | None = None  # (tracked, heap) at step start (CPU)
         self._starts: list[tuple[int, int]] = []  # (tracked, meter reading) at the first two step starts
         self.untracked_growth: int | None = None
+        self._static_table: dict[int, int] | None = None  # [Note: static tensors read by one thread]
 
     def begin_step(self) -> None:
         self.samples = []
@@ -212,12 +225,16 @@ class MemoryTracker:
             grown = (start[1] - ref[1]) - (start[0] - ref[0])
             self.untracked_growth = max(self.untracked_growth or 0, grown)
 
-    def _read_tracked(self) -> tuple[int, int, int, int] | None:
-        """(device, host, peer, tracked) bytes, or None when every try lost to a store changing size."""
+    def _read_tracked(self, read_static: bool = True) -> tuple[int, int, int, int] | None:
+        """(device, host, peer, tracked) bytes, or None when every try lost to a store changing size.
+        ``read_static``: walk the static tensors now (only on the thread that changes them, see
+        [Note: static tensors read by one thread]); otherwise count the table of its last walk."""
         pools = self.pools
+        cpu = self.device.type == "cpu"
         for _ in range(RETRIES):
             try:
-                static = list(self.static())
+                if read_static or self._static_table is None:
+                    self._static_table = _storage_table(list(self.static()), not cpu)
                 saved = list(self.saved()) + list(self.in_flight())
                 extra_host = self.extra_host()
                 skip = pools.device_pool.ptrs | pools.peer_pool.ptrs
@@ -226,8 +243,7 @@ class MemoryTracker:
                     raise
                 time.sleep(0)  # let the lane that is changing the store finish
                 continue
-            cpu = self.device.type == "cpu"
-            st, sv = _storage_table(static, not cpu), _storage_table(saved, not cpu)
+            st, sv = self._static_table, _storage_table(saved, not cpu)
             peer = pools.peer_pool.held()
             host = pools.host_pool.reserved + extra_host
             static_b = own = 0  # own: distinct storages outside the pools, static and saved once
@@ -246,9 +262,11 @@ class MemoryTracker:
             return dev, host, peer, tracked
         return None
 
-    def sample(self) -> tuple[float, int, int, int]:
+    def sample(self, read_static: bool = True) -> tuple[float, int, int, int]:
+        """Take a sample; ``read_static`` as in :meth:`_read_tracked` (False on every thread but
+        the one that changes the static tensors: [Note: static tensors read by one thread])."""
         now = time.monotonic_ns() / 1e3
-        read = self._read_tracked()
+        read = self._read_tracked(read_static)
         heap = self.meter.read() if self.meter is not None else None
         allocated = heap
         if heap is not None and self.device.type != "cuda":  # CPU: relative to the step's start

@@ -9,6 +9,7 @@ one ``k3sched run`` of one rank for the run's report."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +179,48 @@ def test_a_tracked_read_that_keeps_losing_is_counted_and_other_errors_propagate(
 
     with pytest.raises(RuntimeError, match="a real error"):
         MemoryTracker(lambda: (), broken, ActivationManager("cpu"), torch.device("cpu")).sample()
+
+
+def test_only_the_compute_lane_walks_the_static_tensors():
+    """[Note: static tensors read by one thread]: a sample with ``read_static=False`` (every lane
+    but compute) never calls ``static`` and counts the last walk's table; a compute-lane sample
+    walks again and sees what changed. In a run, no sample of another lane calls it."""
+    params = [torch.zeros(1024)]
+    walks: list[str] = []
+
+    def static():
+        walks.append(threading.current_thread().name)
+        return list(params)
+
+    tracker = MemoryTracker(static, lambda: (), ActivationManager("cpu"), torch.device("cpu"))
+    tracker.begin_step()
+    assert len(walks) == 1
+    assert tracker.sample(read_static=False)[1] == 4096 and len(walks) == 1
+    params.append(torch.zeros(2048))  # what an optimizer step does: new state
+    assert tracker.sample(read_static=False)[1] == 4096 and len(walks) == 1  # the last walk, not a new one
+    assert tracker.sample(read_static=True)[1] == 4096 + 8192 and len(walks) == 2
+    assert tracker.sample(read_static=False)[1] == 4096 + 8192 and len(walks) == 2
+
+    cfg = load_config(TINY, ONE_RANK)
+    lanes = stage_lanes(plan_to_json(plan(cfg, None)), 0)
+    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=0,
+                         device=torch.device("cpu"))
+    runner.bind_plan(lanes)
+    seen: list[str] = []
+    static_tensors = runner.memory.static
+    runner.memory.static = lambda: seen.append(threading.current_thread().name) or static_tensors()
+    sampled: set[str] = set()
+    sample = runner.memory.sample
+    runner.memory.sample = lambda **kw: sampled.add(threading.current_thread().name) or sample(**kw)
+    with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0) as ex:
+        runner.bind_streams({})
+        for step in range(2):
+            runner.begin_step(step)
+            ex.run_step(step)
+            runner.end_step()
+    lanes_seen = {n for n in seen if n != threading.main_thread().name}
+    assert seen and all("compute" in n for n in lanes_seen), sorted(set(seen))
+    assert any("compute" not in n for n in sampled), sorted(sampled)  # other lanes did sample
 
 
 def test_format_memory_names_each_rank():

@@ -58,8 +58,8 @@ class OffloadOps:
                     last = self._bwd_left[key] == 0
                 if last:
                     self.acts.release(self._buffer(t), self.mbs[key[0]].layers[t.layer], self._lane_fence())
-            with self._mem_lock:
-                self.memory.sample()
+            with self._mem_lock:  # [Note: static tensors read by one thread] in offload/memory.py
+                self.memory.sample(read_static=t.lane == "compute")
         return run
 
     @staticmethod
