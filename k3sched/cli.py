@@ -17,6 +17,7 @@ commands that need them, so ``k3sched plan`` starts fast and needs no torch.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import shutil
@@ -175,10 +176,10 @@ def _plan_or_fail(cfg, strategy: Optional[str] = None, schedule=None):
         fail(f"schedule.pipeline: {e}")
 
 
-def write_outputs(p, out: Path, png: bool = True) -> list[Path]:
+def write_outputs(p, out: Path, png: bool = True, before=None) -> list[Path]:
     from . import render
 
-    return render.write_outputs(p, out, png)  # [Note: parallel outputs]
+    return render.write_outputs(p, out, png, before=before)  # [Note: parallel outputs]
 
 
 @command()
@@ -220,30 +221,18 @@ def plan(
         except ValueError as e:
             fail(f"--from-torch-csv: {e}")
     p = _plan_or_fail(cfg, strategy, sched)
-    from .p2pcheck import P2PDeadlock, check_plan
+    gc.freeze()  # the plan lives until exit: later collections need not walk it (a third of the P2P check's CPU)
 
-    try:
-        check_plan(p)  # [Note: NCCL P2P model]: refuse a plan that would hang under NCCL
-    except P2PDeadlock as e:
-        fail(str(e))
-    console.print(summary_table(p))
-    if cfg.parallel.seq_chunks > 1:  # [Note: sequence slices] in k3sched/seqslice.py
-        from .seqslice import slices_line
+    def report() -> None:  # before any output is written, while a child builds the trace ([Note: parallel outputs])
+        if (why := cli_plan.p2p_refusal(p)) is not None:  # [Note: NCCL P2P model]: a plan that would hang
+            fail(why)
+        console.print(summary_table(p))
+        cli_plan.print_report(console, p, timeline, gap)
 
-        console.print(slices_line(p), highlight=False, markup=False, soft_wrap=True)
-    if cfg.parallel.world > 1:
-        for line in cli_plan.placement_lines(p):
-            console.print(line, highlight=False, markup=False)
-    if timeline:
-        from .render import ascii_timeline
-
-        print(ascii_timeline(p, 120))
-    if gap:
-        from .bound import format_gap_report
-
-        print(format_gap_report(p))
-    if out is not None:
-        for path in write_outputs(p, out):
+    if out is None:
+        report()
+    else:
+        for path in write_outputs(p, out, before=report):
             console.print(f"wrote {path}", highlight=False)
     if torch_csv is not None:
         cli_plan.write_torch_csv(cfg, sched, torch_csv)

@@ -60,6 +60,39 @@ def read_torch_csv(cfg, path: Path):
     return sched
 
 
+def p2p_refusal(p) -> str | None:
+    """Why ``p`` would hang under NCCL point-to-point semantics (one line), or None ([Note: NCCL
+    P2P model] in k3sched/p2pcheck.py)."""
+    from .p2pcheck import P2PDeadlock, check_plan
+
+    try:
+        check_plan(p)
+    except P2PDeadlock as e:
+        return str(e)
+    return None
+
+
+def print_report(console, p, timeline: bool = False, gap: bool = False) -> None:
+    """What ``k3sched plan`` prints of a plan under its summary table: the sequence-slice line of
+    a sliced plan, where the ranks sit (worlds of more than one rank), and on request the ASCII
+    timeline and the gap report."""
+    if p.cfg.parallel.seq_chunks > 1:  # [Note: sequence slices] in k3sched/seqslice.py
+        from .seqslice import slices_line
+
+        console.print(slices_line(p), highlight=False, markup=False, soft_wrap=True)
+    if p.cfg.parallel.world > 1:
+        for line in placement_lines(p):
+            console.print(line, highlight=False, markup=False)
+    if timeline:
+        from .render import ascii_timeline
+
+        print(ascii_timeline(p, 120))
+    if gap:
+        from .bound import format_gap_report
+
+        print(format_gap_report(p))
+
+
 def placement_lines(p) -> list[str]:
     """Where the plan's ranks sit and which links their P2P pairs use (worlds of more than one rank)."""
     from .compare import p2p_pairs

@@ -59,7 +59,7 @@ class P2PDeadlock(ValueError):
     """The plan cannot complete under NCCL point-to-point semantics; one line naming why."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _T:
     id: str
     kind: Kind
@@ -99,8 +99,8 @@ def _view(plan) -> _View:
     tasks = plan.tasks
     lanes = {s: {lane: [] for lane in LANES} for s in range(plan.cfg.parallel.pp)}
     for (s, lane), ids in plan.lane_orders.items():
-        lanes[s][lane] = [_T(tid, tasks[tid].kind, lane, s, tuple(tasks[tid].deps), round(tasks[tid].start_us, 3),
-                             round(tasks[tid].end_us, 3)) for tid in ids]
+        lanes[s][lane] = [_T(tid, t.kind, lane, s, tuple(t.deps), round(t.start_us, 3), round(t.end_us, 3), [])
+                          for tid, t in zip(ids, map(tasks.__getitem__, ids))]
     starts: dict[int, dict[str, list[str]]] = {s: {} for s in lanes}
     for tid, d in plan.graph.start_deps.items():
         if tid in tasks:
@@ -186,7 +186,11 @@ def _stage_deps(v: _View, s: int) -> dict[str, tuple[str, ...]]:
     plus the shared-link / serial token)."""
     lanes = v.lanes[s]
     prefix = f"s{s}/"
-    deps = {t.id: tuple(dict.fromkeys(d for d in t.deps if d.startswith(prefix))) for ts in lanes.values() for t in ts}
+    deps = {}
+    for ts in lanes.values():
+        for t in ts:
+            ds = tuple([d for d in t.deps if d.startswith(prefix)])
+            deps[t.id] = ds if len(set(ds)) == len(ds) else tuple(dict.fromkeys(ds))
     known = set(deps)
     for tid, ds in deps.items():
         for d in ds:
@@ -287,28 +291,53 @@ class _Run:
     done: set[str] = field(default_factory=set)
     complete: set[str] = field(default_factory=set)
     queues: dict[tuple[int, str], deque] = field(default_factory=dict)
+    # [Note: P2P check worklist]: lanes to visit, and the lanes waiting for a task to finish (or
+    # its transfer to complete) / to start
+    dirty: set[tuple[int, str]] = field(default_factory=set)
+    wait_done: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    wait_started: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
-    def ready(self, t: _T) -> bool:
-        return all(d in self.done for d in self.deps[t.id]) and all(d in self.started for d in t.start_deps)
+    def _blocker(self, t: _T) -> tuple[set[str], str] | None:
+        """What keeps ``t`` from starting: (the set it must join, the task), or None when ready."""
+        for d in self.deps[t.id]:
+            if d not in self.done:
+                return self.done, d
+        for d in t.start_deps:
+            if d not in self.started:
+                return self.started, d
+        return None
 
-    def _advance_lane(self, s: int, ts: list[_T], i: int) -> tuple[int, bool]:
+    def _advance_lane(self, key: tuple[int, str], ts: list[_T], i: int) -> tuple[int, bool]:
         """Start and finish tasks of one lane from position ``i``: (the new position, whether a
-        task started: a start can make a start dependency elsewhere ready)."""
-        began = False
+        task started: a start can make a start dependency elsewhere ready). A lane that stops
+        registers with what it waits for (a task to finish or start, a transfer to complete),
+        which wakes it ([Note: P2P check worklist])."""
+        s, began = key[0], False
         while i < len(ts):
             t = ts[i]
             if t.id not in self.started:
-                if not self.ready(t):
+                blocker = self._blocker(t)
+                if blocker is not None:
+                    on, d = blocker
+                    (self.wait_done if on is self.done else self.wait_started).setdefault(d, []).append(key)
                     break
                 self.started.add(t.id)
                 began = True
+                self._wake(self.wait_started, t.id)
                 if t.id in self.comm:
                     self.queues.setdefault((s, self.comm[t.id]), deque()).append(t.id)
             if t.id in self.comm and t.kind not in POSTED_ONLY and t.id not in self.complete:
+                self.wait_done.setdefault(t.id, []).append(key)  # woken when the transfer completes
                 break
             self.done.add(t.id)
+            self._wake(self.wait_done, t.id)
             i += 1
         return i, began
+
+    def _wake(self, waiting: dict[str, list[tuple[int, str]]], tid: str) -> None:
+        keys = waiting.pop(tid, None)
+        if keys:
+            self.dirty.update(keys)
 
     def _complete_heads(self) -> bool:
         """Complete every transfer at the head of its queue on both ranks; whether any did."""
@@ -325,20 +354,30 @@ class _Run:
                 q.popleft()
                 qy.popleft()
                 self.complete.update((x, y))
+                self._wake(self.wait_done, x)
+                self._wake(self.wait_done, y)
                 changed = True
         return changed
 
     def execute(self) -> list[str]:
-        """Run to a fixed point; the tasks left unfinished (or with a transfer not complete)."""
-        pos = {(s, lane): 0 for s in self.v.lanes for lane in LANES}
+        """Run to a fixed point; the tasks left unfinished (or with a transfer not complete).
+
+        [Note: P2P check worklist] Sweeps visit the lanes in a fixed order until nothing moves,
+        completing queue heads after each sweep; a sweep skips a lane that nothing woke since it
+        last stopped (it would stop at the same task again), so the result, queue order included,
+        is that of visiting every lane every sweep, at a fraction of the cost."""
+        order = [(s, lane) for s in self.v.lanes for lane in LANES]
+        pos = dict.fromkeys(order, 0)
+        self.dirty.update(order)
         changed = True
         while changed:
             changed = False
-            for s, lanes in self.v.lanes.items():
-                for lane in LANES:
-                    i, began = self._advance_lane(s, lanes[lane], pos[(s, lane)])
-                    if began or i != pos[(s, lane)]:
-                        pos[(s, lane)], changed = i, True
+            for key in order:
+                if key in self.dirty:
+                    self.dirty.discard(key)
+                    i, began = self._advance_lane(key, self.v.lanes[key[0]][key[1]], pos[key])
+                    if began or i != pos[key]:
+                        pos[key], changed = i, True
             changed = self._complete_heads() or changed
         return [tid for tid in self.task if tid not in self.done or (tid in self.comm and tid not in self.complete)]
 

@@ -5,6 +5,8 @@ All of them are views of one :class:`~k3sched.planner.Plan`; nothing here change
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,13 +42,18 @@ def glyph(kind: Kind) -> str:
     return "B"
 
 
-def task_json(t: Task) -> dict:
+def task_json(t: Task, native: bool = False) -> dict:
+    """One task of plan.json. ``native``: the values orjson writes as the same JSON without a
+    copy (the :class:`~k3sched.tasks.Kind` enum, the :class:`~k3sched.tasks.Mem` dataclasses, the
+    deps list itself; [Note: plan.json as written]); else plain JSON types."""
     a, f = t.alloc, t.free
     rel = t.release
     out = {
-        "id": t.id, "kind": t.kind.value, "lane": t.lane, "stage": t.stage, "chunk": t.chunk, "mb": t.mb,
-        "layer": t.layer, "start_us": round(t.start_us, 3), "end_us": round(t.end_us, 3), "deps": list(t.deps),
-        "mem": {"alloc": {"device": a.device, "host": a.host, "peer": a.peer},
+        "id": t.id, "kind": t.kind if native else t.kind.value, "lane": t.lane, "stage": t.stage,
+        "chunk": t.chunk, "mb": t.mb, "layer": t.layer, "start_us": round(t.start_us, 3),
+        "end_us": round(t.end_us, 3), "deps": t.deps if native else list(t.deps),
+        "mem": {"alloc": a, "free": f} if native else
+               {"alloc": {"device": a.device, "host": a.host, "peer": a.peer},
                 "free": {"device": f.device, "host": f.host, "peer": f.peer}},
         "bytes": t.bytes, "buffer": t.buffer,
         "peer_stage": t.peer_stage, "duration_us": round(t.duration_us, 3),
@@ -57,13 +64,14 @@ def task_json(t: Task) -> dict:
     return out
 
 
-def plan_to_json(plan: "Plan") -> dict:
-    """The plan.json document (format ``k3sched.plan/1``, see docs/formats.md)."""
+def plan_to_json(plan: "Plan", native: bool = False) -> dict:
+    """The plan.json document (format ``k3sched.plan/1``, see docs/formats.md); ``native``: its
+    tasks as :func:`task_json` ``native`` makes them, for :func:`dumps_plan_bytes` only."""
     tasks = plan.tasks
     stages = []
     start_deps = sorted(plan.graph.start_deps.items())
     for s in range(plan.cfg.parallel.pp):
-        lanes = {lane: [task_json(tasks[tid]) for tid in plan.lane_orders[(s, lane)]] for lane in LANES}
+        lanes = {lane: [task_json(tasks[tid], native) for tid in plan.lane_orders[(s, lane)]] for lane in LANES}
         stages.append({"stage": s, "lanes": lanes,
                        "start_deps": {tid: d for tid, d in start_deps if tasks[tid].stage == s}})
     return {
@@ -98,9 +106,30 @@ def dumps_json(doc: dict, indent: bool = False) -> bytes:
     return orjson.dumps(doc, option=opt)
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """[Note: no GC while building outputs] The cyclic collector off while a document of
+    hundreds of thousands of dicts is built: each collection of the older generations walks the
+    whole heap (the plan's tasks included) and finds nothing, the documents being trees; it
+    cost a third of the outputs' CPU on K2-like. Restored as it was after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def dumps_plan_bytes(plan: "Plan") -> bytes:
-    """plan.json as written: two-space indented JSON (orjson) and a final newline."""
-    return dumps_json(plan_to_json(plan), indent=True) + b"\n"
+    """plan.json as written: two-space indented JSON (orjson) and a final newline.
+
+    [Note: plan.json as written] orjson writes an Enum as its value, a dataclass as an object of
+    its fields in order and a list in place, so the tasks are handed to it as they are (no copy
+    of each Kind, Mem and deps list): the same bytes as :func:`plan_to_json`'s plain document
+    (tests/test_outputs.py compares the two), in half the time."""
+    with _gc_paused():
+        return dumps_json(plan_to_json(plan, native=True), indent=True) + b"\n"
 
 
 def dumps_plan(plan: "Plan") -> str:
@@ -109,7 +138,8 @@ def dumps_plan(plan: "Plan") -> str:
 
 def dumps_trace_bytes(plan: "Plan") -> bytes:
     """plan.trace.json as written (compact JSON, see :func:`perfetto_trace`)."""
-    return dumps_json(perfetto_trace(plan))
+    with _gc_paused():
+        return dumps_json(perfetto_trace(plan))
 
 
 def perfetto_trace(plan: "Plan") -> dict:
@@ -127,6 +157,8 @@ def perfetto_trace(plan: "Plan") -> dict:
     tasks = plan.tasks
     flow = 0
     add = ev.append
+    end_at: dict[str, float] = {}  # each task's rounded end, the ts of every flow arrow leaving it
+    where = {tid: (t.stage, tid_of[t.lane]) for tid, t in tasks.items()}
     for s in range(pp):
         for lane in LANES:
             tid_lane = tid_of[lane]
@@ -137,18 +169,20 @@ def perfetto_trace(plan: "Plan") -> dict:
                      "ts": start, "dur": round(t.duration_us, 3),
                      "args": {"kind": t.kind.value, "mb": t.mb, "layer": t.layer, "bytes": t.bytes}})
                 for d in t.deps:
-                    p = tasks[d]
-                    if p.lane == lane and p.stage == s:
+                    ps, pt = where[d]
+                    if ps == s and pt == tid_lane:
                         continue
                     flow += 1
-                    add({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": p.stage,
-                         "tid": tid_of[p.lane], "ts": round(p.end_us, 3)})
+                    end = end_at.get(d)
+                    if end is None:
+                        end = end_at[d] = round(tasks[d].end_us, 3)
+                    add({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": ps, "tid": pt, "ts": end})
                     add({"ph": "f", "bp": "e", "id": flow, "name": "dep", "cat": "dep", "pid": s,
                          "tid": tid_lane, "ts": start})
     for (s, space), tl in sorted(plan.memory.items()):
+        name = f"memory {space} (MiB)"
         for t_us, b in zip(tl.times_us.tolist(), tl.bytes.tolist()):
-            ev.append({"ph": "C", "name": f"memory {space} (MiB)", "pid": s, "ts": round(t_us, 3),
-                       "args": {space: round(b / 2**20, 3)}})
+            add({"ph": "C", "name": name, "pid": s, "ts": round(t_us, 3), "args": {space: round(b / 2**20, 3)}})
     return {"traceEvents": ev, "displayTimeUnit": "ms",
             "otherData": {"format": "k3sched.plan-trace/1", "strategy": plan.strategy, "pipeline": plan.pipeline}}
 
@@ -348,58 +382,95 @@ def _time_axis(draw, left: int, width: int, y: int, step_us: float, font) -> Non
     draw.text((left + width - 50, y + 16), "time (ms)", fill="black", font=font)
 
 
-def write_outputs(plan: "Plan", out: str | Path, png: bool = True, parallel: bool | None = None) -> list[Path]:
+def write_outputs(plan: "Plan", out: str | Path, png: bool = True, parallel: bool | None = None,
+                  before=None) -> list[Path]:
     """Write ``plan.json``, ``plan.trace.json``, ``timeline.txt`` and (``png``) ``timeline.png``
-    into ``out``; returns their paths.
+    into ``out``; returns their paths. ``before``: called here before ``out`` is created or any
+    file written (``k3sched plan``: its P2P check and report); what it raises propagates, and
+    then nothing is written.
 
-    [Note: parallel outputs] With two cores or more (``parallel`` None) a forked child writes the
-    trace, the ASCII and the PNG timeline while this process writes plan.json: the two halves cost
-    about the same CPU, so the outputs take about half the wall time. The child reports a failure
-    through a pipe; it is raised here as the same exception type when it is an OSError (a path the
-    user named), else as a RuntimeError naming the child's exception."""
+    [Note: parallel outputs] With two cores or more (``parallel`` None) a forked child builds the
+    trace and the ASCII timeline while this process runs ``before`` and builds plan.json; the
+    child writes them and draws the PNG once this process says go (after ``before``), else
+    writes nothing. The two halves cost about the same CPU, so the outputs and the check take
+    about half the wall time. The child reports a failure through a pipe; it is raised here as
+    the same exception type when it is an OSError (a path the user named), else as a
+    RuntimeError naming the child's exception."""
     import os
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / "plan.json", out / "plan.trace.json", out / "timeline.txt"] + ([out / "timeline.png"] if png else [])
-
-    def rest() -> None:
-        paths[1].write_bytes(dumps_trace_bytes(plan))
-        paths[2].write_text(ascii_timeline(plan, 160) + "\n")
-        if png:
-            png_timeline(plan, paths[3])
-
     if parallel is None:
         parallel = (os.cpu_count() or 1) > 1 and hasattr(os, "fork")
     if not parallel:
+        if before is not None:
+            before()
+        out.mkdir(parents=True, exist_ok=True)
         paths[0].write_bytes(dumps_plan_bytes(plan))
-        rest()
+        _write_rest(plan, paths, dumps_trace_bytes(plan), ascii_timeline(plan, 160))
         return paths
-    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    report_r, report_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # child: the trace and the timelines, then leave without running any exit handler
-        code = 0
-        try:
-            os.close(r)
-            rest()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-            code = 1
-            errno = getattr(e, "errno", None) or 0
-            msg = f"{type(e).__name__}\0{errno}\0{getattr(e, 'strerror', None) or e}\0{getattr(e, 'filename', '')}"
-            os.write(w, msg.encode("utf-8", "replace")[:4000])
-        finally:
-            os._exit(code)
-    os.close(w)
+    if pid == 0:  # child: never returns
+        os.close(go_w)
+        os.close(report_r)
+        _outputs_child(plan, paths, go_r, report_w)
+    os.close(go_r)
+    os.close(report_w)
+    go = False
     try:
-        paths[0].write_bytes(dumps_plan_bytes(plan))
+        try:
+            if before is not None:
+                before()
+            out.mkdir(parents=True, exist_ok=True)
+            go = True
+            os.write(go_w, b"1")
+        except BrokenPipeError:  # the child failed before it waited: its report says why
+            pass
+        finally:
+            os.close(go_w)  # without a go, the child leaves writing nothing
+        if go:
+            paths[0].write_bytes(dumps_plan_bytes(plan))
     finally:
-        with os.fdopen(r, "rb") as f:
+        with os.fdopen(report_r, "rb") as f:
             report = f.read()
         _, status = os.waitpid(pid, 0)
     if status != 0 or report:
-        name, errno, text, filename = (report.decode("utf-8", "replace").split("\0") + ["", "", "", ""])[:4]
-        if name in ("OSError", "PermissionError", "FileNotFoundError", "IsADirectoryError", "NotADirectoryError",
-                    "FileExistsError"):
-            raise OSError(int(errno or 0), text, filename or None)
-        raise RuntimeError(f"writing the trace and timelines failed: {name}: {text}")
+        _raise_child_failure(report)
     return paths
+
+
+def _write_rest(plan: "Plan", paths: list[Path], trace: bytes, text: str) -> None:
+    paths[1].write_bytes(trace)
+    paths[2].write_text(text + "\n")
+    if len(paths) > 3:
+        png_timeline(plan, paths[3])
+
+
+def _outputs_child(plan: "Plan", paths: list[Path], go_fd: int, report_fd: int) -> None:
+    """The forked half of [Note: parallel outputs]: build the trace and the ASCII timeline, wait
+    for go, write them and the PNG; leave with ``os._exit`` (no exit handler of the parent runs)."""
+    import os
+
+    code = 0
+    try:
+        gc.disable()  # [Note: no GC while building outputs]; the child ends with os._exit
+        trace, text = dumps_trace_bytes(plan), ascii_timeline(plan, 160)
+        if os.read(go_fd, 1) == b"1":
+            _write_rest(plan, paths, trace, text)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        code = 1
+        errno = getattr(e, "errno", None) or 0
+        msg = f"{type(e).__name__}\0{errno}\0{getattr(e, 'strerror', None) or e}\0{getattr(e, 'filename', '')}"
+        os.write(report_fd, msg.encode("utf-8", "replace")[:4000])
+    finally:
+        os._exit(code)
+
+
+def _raise_child_failure(report: bytes) -> None:
+    name, errno, text, filename = (report.decode("utf-8", "replace").split("\0") + ["", "", "", ""])[:4]
+    if name in ("OSError", "PermissionError", "FileNotFoundError", "IsADirectoryError", "NotADirectoryError",
+                "FileExistsError"):
+        raise OSError(int(errno or 0), text, filename or None)
+    raise RuntimeError(f"writing the trace and timelines failed: {name}: {text}")

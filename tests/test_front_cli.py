@@ -222,14 +222,14 @@ def test_usage_errors_are_one_line_from_main():
 
 
 def test_oserror_on_a_user_named_path_is_2_elsewhere_3(tmp_path, monkeypatch):
-    def denied(p, out, png=True):
+    def denied(p, out, png=True, before=None):
         raise PermissionError(13, "Permission denied", str(out / "plan.json"))
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(k3cli, "write_outputs", denied)
     _one_line(_invoke(["plan", TINY, "--out", tmp_path / "o"]), 2, "plan.json: Permission denied")
 
-    def elsewhere(p, out, png=True):
+    def elsewhere(p, out, png=True, before=None):
         raise PermissionError(13, "Permission denied", "/usr/share/somewhere")
 
     monkeypatch.setattr(k3cli, "write_outputs", elsewhere)

@@ -110,3 +110,45 @@ def test_parallel_outputs_match_sequential_and_report_child_errors(tiny_cfg, tmp
     with pytest.raises(OSError):
         write_outputs(p, bad, parallel=True)
     assert (bad / "plan.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("overrides", [[], ["parallel.seq_chunks=2", "schedule.offload=all",
+                                             "schedule.remote_offload=true"]])
+def test_plan_json_as_written_is_the_plain_document(overrides):
+    # [Note: plan.json as written]: the tasks handed to orjson as they are (Kind, Mem, deps lists)
+    # give the bytes of the plain document, slices and every memory space included
+    import orjson
+
+    from k3sched.config import load_config
+    from k3sched.render import dumps_plan_bytes, plan_to_json
+
+    p = plan(load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides))
+    plain = plan_to_json(p)
+    assert json.loads(json.dumps(plain)) == plain  # plain JSON types only
+    assert dumps_plan_bytes(p) == orjson.dumps(plain, option=orjson.OPT_INDENT_2) + b"\n"
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_outputs_are_written_only_after_before_returns(tiny_cfg, tmp_path, parallel):
+    from k3sched.render import write_outputs
+
+    p = plan(tiny_cfg)
+    out = tmp_path / "o"
+    seen = []
+
+    def check():
+        seen.append(out.exists())
+
+    assert [x.name for x in write_outputs(p, out, parallel=parallel, before=check)][0] == "plan.json"
+    assert seen == [False] and all(x.stat().st_size > 0 for x in out.iterdir()) and len(list(out.iterdir())) == 4
+
+    def refuse():
+        raise ValueError("the plan would hang")
+
+    with pytest.raises(ValueError, match="would hang"):
+        write_outputs(p, tmp_path / "refused", parallel=parallel, before=refuse)
+    assert not (tmp_path / "refused").exists()
+    (tmp_path / "there").mkdir()
+    with pytest.raises(ValueError, match="would hang"):
+        write_outputs(p, tmp_path / "there", parallel=parallel, before=refuse)
+    assert list((tmp_path / "there").iterdir()) == []  # the child, told no go, wrote nothing either
