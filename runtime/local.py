@@ -4,6 +4,7 @@ benchmarks and debugging."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,13 +26,20 @@ class LocalRun:
     grads: dict[str, torch.Tensor] | None = None  # step 0, before AdamW
     records: list[StepRecord] = field(default_factory=list)
     traces: list[dict] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    """Each step's measured peak device bytes (``runner.memory.peak_device`` after the step)."""
+    runner: StageRunner | None = None
+    """The stage runner, after the run (its memory tracker, activation pools, parameters)."""
 
 
 def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int | None = None, lr: float = 1e-3,
               weight_decay: float = 0.01, perturb=None, capture_grads: bool = False,
-              options: RuntimeOptions | None = None) -> LocalRun:
-    """Train ``steps`` steps of a one-rank config in-process; returns losses, grads and traces.
-    ``options``: the test hooks of a launched run ([Note: runtime options]; ``perturb`` wins)."""
+              options: RuntimeOptions | None = None,
+              setup: Callable[[StageRunner], None] | None = None) -> LocalRun:
+    """Train ``steps`` steps of a one-rank config in-process; returns losses, grads, traces,
+    measured peaks and the runner. ``options``: the test hooks of a launched run ([Note: runtime
+    options]; ``perturb`` wins). ``setup``: called with the bound runner before the first step
+    (a test wraps a handler or the memory tracker there)."""
     opts = options or RuntimeOptions()
     p = cfg.parallel
     if p.world != 1:
@@ -43,7 +51,9 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
                          weight_decay=weight_decay, offload_debug=opts.offload_debug, copy_delay_s=opts.copy_delay_s,
                          unsafe_shared_dx=opts.unsafe_shared_dx)
     runner.bind_plan(lanes)
-    run = LocalRun(doc)
+    if setup is not None:
+        setup(runner)
+    run = LocalRun(doc, runner=runner)
     with Executor(lanes, runner.handlers(), perturb=perturb or opts.perturb, extra_deps=runner.extra_deps(lanes),
                   dep_timeout_s=60.0, serial=doc["strategy"] == "serial",
                   shared_links=doc.get("shared_links", ())) as ex:
@@ -55,6 +65,7 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
             if runner.captured is not None:
                 run.grads, runner.captured = runner.captured, None
             run.records.append(rec)
+            run.peaks.append(runner.memory.peak_device)
             run.traces.append(ex.chrome_trace(rec, plan_step_time_us=doc["metrics"]["step_time_us"],
                                               t0_us=min(t.start_us for t in rec.timings)))
     return run

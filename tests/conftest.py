@@ -108,3 +108,34 @@ def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | Non
     finally:
         kill_group(proc)
     return proc.returncode, out
+
+
+SMALL_PIPELINES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "dualpipev"]
+
+
+def draw_pipeline_shape(draw) -> tuple[int, str, int, int]:
+    """(pp, pipeline, vpp, micro-batches) of a small valid shape, for a hypothesis ``@st.composite``
+    strategy's ``draw``: pp 1-3, vpp 2 for the interleaved and V schedules, micro-batches 1-4 (a
+    multiple of pp for interleaved 1F1B, at least 2 pp for DualPipeV)."""
+    import hypothesis.strategies as st
+
+    pp = draw(st.integers(1, 3))
+    pipeline = draw(st.sampled_from(SMALL_PIPELINES))
+    vpp = 2 if pipeline in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
+    m = draw(st.integers(1, 4))
+    if pipeline == "interleaved-1f1b":
+        m = pp * draw(st.integers(1, 2))
+    if pipeline == "dualpipev":
+        m = max(m, 2 * pp)
+    return pp, pipeline, vpp, m
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test (lanes are threads; on 2 cores more would oversubscribe)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from conftest import CONFIGS, cli_exit, one_line
+from conftest import CONFIGS, cli_exit, draw_pipeline_shape, one_line
 from k3sched.cli import app
 from k3sched.config import (GiB, ConfigError, HardwareConfig, ModelConfig, ParallelConfig, ScheduleConfig,
                             config_from_dict, load_config)
@@ -340,14 +340,7 @@ def test_memory_bound_is_below_every_real_peak_on_k2():
 
 @st.composite
 def _small(draw):
-    pp = draw(st.integers(1, 3))
-    pipeline = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "dualpipev"]))
-    vpp = 2 if pipeline in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
-    m = draw(st.integers(1, 4))
-    if pipeline == "interleaved-1f1b":
-        m = pp * draw(st.integers(1, 2))
-    if pipeline == "dualpipev":
-        m = max(m, 2 * pp)
+    pp, pipeline, vpp, m = draw_pipeline_shape(draw)
     ov = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.microbatches={m}",
           f"parallel.ep={draw(st.sampled_from([1, 2]))}", f"parallel.dp={draw(st.sampled_from([1, 2]))}",
           f"model.layers={pp * vpp * draw(st.integers(1, 2))}", f"model.dense_layers={draw(st.integers(0, 1))}",

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +22,7 @@ from k3sched.render import plan_to_json
 from k3sched.schedules import GENERATORS
 from runtime.launch import PLANNED_ONLY
 
-from conftest import CONFIGS, ROOT
+from conftest import CONFIGS, ROOT, launch_p2p_worker
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 SMALL = ["parallel.ep=1", "model.seq_len=16", "model.micro_batch_size=1", "model.dense_layers=0"]
@@ -279,33 +276,14 @@ RUNTIME_SCHEDULES = sorted(set(GENERATORS) - set(PLANNED_ONLY))
 LIMIT_S = 240.0
 
 
-def _launch(spec: dict, tmp: Path, limit_s: float) -> int:
-    from runtime.launch import _run_env, free_port, kill_group
-
-    path = tmp / "spec.json"
-    path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", str(ROOT / "tests" / "p2p_worker.py"),
-           str(path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(None), start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the P2P worker ran past {limit_s:.0f} s")
-    finally:
-        kill_group(proc)
-    if proc.returncode:
-        errors = sorted(str(p) + ": " + p.read_text().strip() for p in tmp.rglob("error_rank*.txt"))
-        pytest.fail(f"worker exited {proc.returncode}: {errors}; output: {out[-3000:]}")
-    return proc.returncode
-
-
 @pytest.mark.slow
 def test_every_schedule_trains_identically_in_strict_mode(tmp_path):
     runs = [{"out": str(tmp_path / f"{name}-{mode}"), "overrides": shape(name, 2), "p2p": mode, "steps": 2}
             for name in RUNTIME_SCHEDULES for mode in ("buffered", "strict")]
-    _launch({"runs": runs, "timeout_s": 60, "crossing": str(tmp_path), "crossing_timeout_s": 3.0}, tmp_path, LIMIT_S)
+    rc, out = launch_p2p_worker({"runs": runs, "timeout_s": 60, "crossing": str(tmp_path), "crossing_timeout_s": 3.0},
+                                tmp_path, limit_s=LIMIT_S, what="the P2P worker")
+    errors = sorted(str(p) + ": " + p.read_text().strip() for p in tmp_path.rglob("error_rank*.txt"))
+    assert rc == 0, f"worker exited {rc}: {errors}; output: {out[-3000:]}"
     for name in RUNTIME_SCHEDULES:
         a, b = (json.loads((tmp_path / f"{name}-{mode}" / "summary.json").read_text()) for mode in ("buffered", "strict"))
         assert (a["pipeline"], a["p2p"], b["p2p"]) == (name, "buffered", "strict")

@@ -16,7 +16,7 @@ from k3sched.render import dumps_plan
 from k3sched.simulator import DeadlockError, simulate
 from k3sched.tasks import LANES, Kind, Mem, Task
 
-from conftest import CONFIGS
+from conftest import CONFIGS, draw_pipeline_shape
 
 EPS = 1e-6
 
@@ -56,20 +56,10 @@ def check_plan_invariants(p, serial: bool) -> None:
     assert step <= p.metrics["step_time_us"] + 1e-3  # metrics are rounded to ns
 
 
-PIPELINES_V1 = ["gpipe", "1f1b", "zb-h1", "zb-h2"]
-
-
 @st.composite
 def small_configs(draw):
     base = load_config(CONFIGS / "tiny-cpu.yaml").to_dict()
-    pp = draw(st.integers(1, 3))
-    pipeline = draw(st.sampled_from(PIPELINES_V1 + ["interleaved-1f1b", "zb-v", "dualpipev"]))
-    vpp = 2 if pipeline in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
-    m = draw(st.integers(1, 4))
-    if pipeline == "interleaved-1f1b":
-        m = pp * draw(st.integers(1, 2))
-    if pipeline == "dualpipev":
-        m = max(m, 2 * pp)
+    pp, pipeline, vpp, m = draw_pipeline_shape(draw)
     base["parallel"].update(pp=pp, vpp=vpp, ep=draw(st.sampled_from([1, 2])), dp=draw(st.sampled_from([1, 2])),
                             microbatches=m)
     base["model"].update(layers=pp * vpp * draw(st.integers(1, 2)), dense_layers=draw(st.integers(0, 1)))

@@ -21,8 +21,10 @@ from k3sched.render import plan_to_json
 from offload import ActivationManager, PolicyTable
 from offload.manager import OFFLOAD_FP8
 from offload.quant import dequantize, quantize
-from runtime.executor import Executor, stage_lanes
+from runtime.executor import stage_lanes
 from runtime.groups import Layout, build_groups
+from runtime.local import local_run
+from runtime.options import RuntimeOptions
 from runtime.stage import StageRunner, StageSpec
 
 from conftest import FakeCtx
@@ -38,24 +40,12 @@ ONE_RANK = ["parallel.pp=1", "parallel.ep=1", "parallel.microbatches=4", "model.
 
 
 
-def _train(overrides: list[str], steps: int = 3, debug: bool | None = None):
-    """Train a one-rank plan in-process; returns (losses, step-0 grads, measured peaks, runner)."""
+def _train(overrides: list[str], steps: int = 3, debug: bool = False):
+    """Train a one-rank plan in-process (``runtime.local.local_run``); returns (losses, step-0
+    grads, measured peaks, runner)."""
     cfg = load_config(TINY, ONE_RANK + overrides)
-    doc = plan_to_json(plan(cfg, None))
-    lanes = stage_lanes(doc, 0)
-    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=0, offload_debug=debug)
-    runner.bind_plan(lanes)
-    losses, grads, peaks = [], None, []
-    with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0) as ex:
-        for step in range(steps):
-            runner.capture_grads = step == 0
-            runner.begin_step(step)
-            ex.run_step(step)
-            losses.append(runner.end_step() / cfg.parallel.microbatches)
-            if runner.captured is not None:
-                grads, runner.captured = runner.captured, None
-            peaks.append(runner.memory.peak_device)
-    return losses, grads, peaks, runner
+    run = local_run(cfg, steps, seed=0, capture_grads=True, options=RuntimeOptions(offload_debug=debug))
+    return run.losses, run.grads, run.peaks, run.runner
 
 
 # -- (a) FP8 on the device -------------------------------------------------------------------------

@@ -45,12 +45,7 @@ SMALL = ["model.seq_len=16", "model.micro_batch_size=1", "model.layers=2"]
 ONE = ["parallel.pp=1", "parallel.ep=1", *SMALL]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # -- hand-built steps --------------------------------------------------------------------------------

@@ -24,15 +24,7 @@ LIMIT_S = 150.0
 EP2 = ["parallel.pp=1", "parallel.ep=2", "parallel.microbatches=2", "model.layers=2", "model.seq_len=16",
        "model.micro_batch_size=1"]
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # one_thread: tests/conftest.py
 
 
 def _run(out: Path, overrides: list[str], steps: int, **kw) -> int:

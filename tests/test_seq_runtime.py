@@ -200,32 +200,18 @@ ONE_RANK = ["parallel.pp=1", "parallel.ep=1", "parallel.microbatches=4", "model.
 
 
 def _train_one_rank(overrides: list[str], steps: int = 3):
-    """Train a one-rank plan in this process; returns (losses, step-0 grads, peak tracked device bytes)."""
+    """Train a one-rank plan in this process (``runtime.local.local_run``, offload debug checks
+    on); returns (losses, step-0 grads, peak tracked device bytes)."""
     from k3sched.config import load_config
-    from k3sched.planner import plan
-    from k3sched.render import plan_to_json
-    from runtime.executor import Executor, stage_lanes
-    from runtime.groups import Layout, build_groups
-    from runtime.stage import StageRunner, StageSpec
+    from runtime.local import local_run
+    from runtime.options import RuntimeOptions
 
     from conftest import CONFIGS
 
     cfg = load_config(CONFIGS / "tiny-cpu.yaml", ONE_RANK + overrides)
-    lanes = stage_lanes(plan_to_json(plan(cfg, None)), 0)
-    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=0, offload_debug=True)
-    runner.bind_plan(lanes)
-    losses, grads, peak = [], None, 0
-    with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0) as ex:
-        for step in range(steps):
-            runner.capture_grads = step == 0
-            runner.begin_step(step)
-            ex.run_step(step)
-            losses.append(runner.end_step() / cfg.parallel.microbatches)
-            if runner.captured is not None:
-                grads, runner.captured = runner.captured, None
-            peak = max(peak, runner.memory.peak_device)
-    assert runner.acts.device_pool.stats.in_use == 0
-    return losses, grads, peak
+    run = local_run(cfg, steps, seed=0, capture_grads=True, options=RuntimeOptions(offload_debug=True))
+    assert run.runner.acts.device_pool.stats.in_use == 0
+    return run.losses, run.grads, max(run.peaks)
 
 
 def test_fp8_storage_of_slices_trains_like_unsliced_fp8():
