@@ -8,6 +8,7 @@ one ``k3sched run`` of one rank for the run's report."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -25,6 +26,7 @@ from offload.memory import HeapMeter, MemoryTracker, MeterUnavailable, format_me
 from runtime.executor import Executor, stage_lanes
 from runtime.groups import Layout, build_groups
 from runtime.launch import run_command
+from runtime.local import local_run
 from runtime.stage import StageRunner, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +67,9 @@ def _steps(leak: bool, device: str = "cpu", steps: int = 2, keep: bool = False):
 
         runner._model_task = leaky
     per_step = []
+    # the heap figure counts the whole process: cyclic garbage an earlier test left, freed by a
+    # collection mid-run, would take its bytes off the figure (seen in the full suite: 7 MiB)
+    gc.collect()
     with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0,
                   device=dev) as ex:
         cuda = getattr(ex, "_cuda", None)
@@ -85,13 +90,17 @@ def _steps(leak: bool, device: str = "cpu", steps: int = 2, keep: bool = False):
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA GPU (torch here sees none)"))])
 def test_a_tensor_kept_behind_the_trackers_back_is_caught_as_untracked(device):
-    clean, _, _ = _steps(leak=False, device=device)
+    clean, _, clean_steps = _steps(leak=False, device=device)
     leaky, made, per_step = _steps(leak=True, device=device)
     assert clean.missed_samples == leaky.missed_samples == 0
     # the bookkeeping does not see it: tracked peaks within 1 MiB (lanes interleave differently)
     assert abs(leaky.peak_tracked - clean.peak_tracked) < MiB, (leaky.peak_tracked, clean.peak_tracked)
     if device == "cpu":  # a clean step's untracked bytes are the lanes' transients and the interpreter's
-        assert clean.untracked < 8 * MiB, clean.untracked  # (on GPU also cuBLAS workspaces: not bounded here)
+        # (on GPU also cuBLAS workspaces: not bounded here). Not the first step's: a run's first
+        # step sets up what it keeps (intra-op thread pools of new lane threads, kernel scratch:
+        # on an AMX Xeon 9-26 MiB by the number of intra-op threads), which untracked_growth leaves out too
+        later = max(a - r for samples in clean_steps[1:] for _, a, r in samples if r is not None)
+        assert later < 8 * MiB, later
     # every sample taken after the leak, in every step, sees it (the two reads of a sample are not
     # atomic: a lane freeing a saved tensor between them may take up to that tensor's bytes, all
     # under 2 MiB here, off one sample; 9 in 10 samples see the whole leak)
@@ -201,23 +210,15 @@ def test_only_the_compute_lane_walks_the_static_tensors():
     assert tracker.sample(read_static=True)[1] == 4096 + 8192 and len(walks) == 2
     assert tracker.sample(read_static=False)[1] == 4096 + 8192 and len(walks) == 2
 
-    cfg = load_config(TINY, ONE_RANK)
-    lanes = stage_lanes(plan_to_json(plan(cfg, None)), 0)
-    runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=0,
-                         device=torch.device("cpu"))
-    runner.bind_plan(lanes)
     seen: list[str] = []
-    static_tensors = runner.memory.static
-    runner.memory.static = lambda: seen.append(threading.current_thread().name) or static_tensors()
     sampled: set[str] = set()
-    sample = runner.memory.sample
-    runner.memory.sample = lambda **kw: sampled.add(threading.current_thread().name) or sample(**kw)
-    with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0) as ex:
-        runner.bind_streams({})
-        for step in range(2):
-            runner.begin_step(step)
-            ex.run_step(step)
-            runner.end_step()
+
+    def watch(runner) -> None:
+        static, sample = runner.memory.static, runner.memory.sample
+        runner.memory.static = lambda: seen.append(threading.current_thread().name) or static()
+        runner.memory.sample = lambda **kw: sampled.add(threading.current_thread().name) or sample(**kw)
+
+    local_run(load_config(TINY, ONE_RANK), 2, seed=0, setup=watch)
     lanes_seen = {n for n in seen if n != threading.main_thread().name}
     assert seen and all("compute" in n for n in lanes_seen), sorted(set(seen))
     assert any("compute" not in n for n in sampled), sorted(sampled)  # other lanes did sample
@@ -239,7 +240,10 @@ def test_a_run_reports_allocated_tracked_and_untracked_bytes(tmp_path):
     assert s["memory_samples_missed"] == [0] and s["untracked_growth_bytes_measured"] == [None]  # 2 steps
     (alloc,), (tracked,), (untracked,) = (s["peak_allocated_bytes_measured"], s["peak_tracked_bytes_measured"],
                                           s["untracked_bytes_measured"])
-    assert 0 <= untracked < 8 * MiB and tracked > 0 and alloc >= tracked
+    # the first step's untracked bytes include what the compute lane's first matrix products set up
+    # and keep (about 4.3 MiB per new thread and layer kind on an AMX Xeon: 9.4 MiB here, one
+    # intra-op thread; under 8 MiB on CPUs without AMX)
+    assert 0 <= untracked < 16 * MiB and tracked > 0 and alloc >= tracked
     assert tracked >= s["peak_device_bytes_measured"][0]  # device + host + peer, pools' cached buffers too
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
     assert trace["otherData"]["memory"]["untracked_bytes"] == untracked
