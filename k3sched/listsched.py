@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .cost import CostModel
 from .graph import StepGraph
 from .simulator import DeadlockError
-from .tasks import LANE_INDEX, LANES, P2P_KINDS, Kind
+from .tasks import LANE_INDEX, LANES, P2P_KINDS, SEND_OF, Kind
 
 # -- list scheduler ---------------------------------------------------------------------------
 _BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
@@ -36,6 +36,21 @@ class _Prepared:
     dur: list[float]
     feeds_main: list[bool]  # a non-compute task whose end a main compute task of its stage waits on
     forward: list[bool]  # a main task of a forward (F) backbone unit
+    comm: list[int]  # the communicator of a pipeline send or receive, -1 for other tasks
+    send_of: list[int]  # a pipeline receive's send, -1 for other tasks
+    ncomms: int
+
+
+# [Note: receives in send order] NCCL pairs the k-th send from stage a to stage b with b's k-th
+# receive from a on their communicator, whatever the tag (k3sched/p2pcheck.py). A receive becomes
+# ready when its send ended, and the sends of one communicator leave one lane one at a time, so the
+# receives become ready in send order; but a busy receiving lane then picked among ready receives
+# by its own backbone slot, and where the sender ran two micro-batches' backwards out of slot
+# order (look-ahead while an all-to-all is in flight) the receives were posted in the other order:
+# K2-like at a 40 GiB budget was refused (grad 9->8, transfer #46: s9/mb31 sent before s9/mb30,
+# s8 posted mb30 first). So the receives of a communicator start in the order their sends started:
+# one that is ready before its turn is held until the receive before it started.
+_PIPE_RECV = frozenset({Kind.FWD_RECV, Kind.BWD_RECV})
 
 
 _MAX_SLOT = 1 << 30
@@ -82,7 +97,17 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
             ssucc[index[d]].append(i)
         nsdeps.append(len(sd))
     feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
-    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds, fwd)
+    comm, send_of = [-1] * n, [-1] * n  # [Note: receives in send order]
+    comm_ids: dict[tuple[Kind, int, int], int] = {}
+    for i, tid in enumerate(ids):
+        t = tasks[tid]
+        if t.kind in _PIPE_RECV:
+            d = next(index[d] for d in t.deps if tasks[d].kind is SEND_OF[t.kind])
+            c = comm_ids.setdefault((t.kind, stage[d], stage[i]), len(comm_ids))
+            comm[i] = comm[d] = c
+            send_of[i] = d
+    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds, fwd,
+                     comm, send_of, len(comm_ids))
 
 
 def _resources(g: StepGraph, prep: _Prepared, serial: bool) -> tuple[list[int], list[int]]:
@@ -213,6 +238,12 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
             npending[j] -= 1
     gate = _SlotGate(prep, skip, nstages, lookahead, serial)
     gates, held = gate.gates, gate.held
+    # [Note: receives in send order]: per communicator, sends started and receives started; the
+    # sequence number of each started send; ready receives held until their turn (seq -> task)
+    comm, send_of = prep.comm, prep.send_of
+    comm_sent, comm_recvd = [0] * prep.ncomms, [0] * prep.ncomms
+    send_seq = [0] * n
+    turn: list[dict[int, int]] = [{} for _ in range(prep.ncomms)]
     nres = max(res) + 1 if n else 0
     ready: list[list[tuple[int, int]]] = [[] for _ in range(nres)]
     imminent = [0] * nres  # P2P tasks whose deps have all started but are not yet running
@@ -298,6 +329,19 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
                 heappush(feeding[st], d_end)
             if is_p2p[i]:
                 imminent[r] -= 1
+                c = comm[i]
+                if send_of[i] < 0:  # a send: its place in the communicator's order
+                    send_seq[i] = comm_sent[c]
+                    comm_sent[c] += 1
+                else:  # a receive: the next one's turn
+                    comm_recvd[c] += 1
+                    j = turn[c].pop(comm_recvd[c], -1)
+                    if j >= 0:
+                        rj = res[j]
+                        heappush(ready[rj], (key[j], j))
+                        if not flagged[rj]:
+                            flagged[rj] = True
+                            heappush(pend_heap, rj)
             for j in succ[i]:
                 unstarted[j] -= 1
                 if unstarted[j] == 0 and is_p2p[j]:
@@ -309,6 +353,9 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
                     sj = stage_of[j]
                     if is_main[j] and slot[j] > gates[sj]:
                         held[sj][slot[j]].append(j)
+                    elif send_of[j] >= 0 and send_seq[send_of[j]] != comm_recvd[comm[j]]:
+                        turn[comm[j]][send_seq[send_of[j]]] = j  # not its turn yet
+                        continue
                     else:
                         heappush(ready[rj], (key[j], j))
                     if not flagged[rj]:
@@ -346,6 +393,9 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
                     sj = stage_of[j]
                     if is_main[j] and slot[j] > gates[sj]:
                         held[sj][slot[j]].append(j)
+                    elif send_of[j] >= 0 and send_seq[send_of[j]] != comm_recvd[comm[j]]:
+                        turn[comm[j]][send_seq[send_of[j]]] = j  # not its turn yet
+                        continue
                     else:
                         heappush(ready[rj], (key[j], j))
                     if not flagged[rj]:

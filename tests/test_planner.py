@@ -54,6 +54,37 @@ def check_plan_invariants(p, serial: bool) -> None:
              for tid, t in tasks.items()}
     step = simulate(fresh, p.lane_orders)
     assert step <= p.metrics["step_time_us"] + 1e-3  # metrics are rounded to ns
+    check_receives_in_send_order(p)
+
+
+def check_receives_in_send_order(p) -> None:
+    """NCCL pairs the k-th send from a to b with b's k-th receive on their communicator (one per
+    kind and direction in the runtime): b's receives from a, in b's lane order, are a's sends to b
+    in a's lane order ([Note: receives in send order] in k3sched/listsched.py)."""
+    tasks = p.tasks
+    recvd = defaultdict(list)  # (kind, a, b) -> the sends whose receives b posted, in b's order
+    for order in p.lane_orders.values():
+        for tid in order:
+            t = tasks[tid]
+            if t.kind in (Kind.FWD_RECV, Kind.BWD_RECV):
+                (send,) = (d for d in t.deps if tasks[d].kind in (Kind.FWD_SEND, Kind.BWD_SEND))
+                recvd[(t.kind, tasks[send].stage, t.stage)].append(send)
+    for (kind, a, b), sends in recvd.items():
+        mine = set(sends)
+        own = [tid for tid in p.lane_orders[(a, tasks[sends[0]].lane)] if tid in mine]
+        k = next((k for k, (x, y) in enumerate(zip(sends, own)) if x != y), None)
+        assert k is None, f"{kind.value} {a}->{b}: transfer #{k} is {own[k]} but stage {b} receives {sends[k]}"
+
+
+def test_k2_like_at_40_gib_posts_receives_in_send_order():
+    """K2-like at a 40 GiB budget: stage 9 ran mb31's backward before mb30's and stage 8 posted
+    mb30's gradient receive first (refused: NCCL would deliver the wrong tensor); the planner now
+    holds a receive until the one sent before it was posted."""
+    from k3sched.p2pcheck import check_plan
+
+    p = plan(load_config(CONFIGS / "k2-like.yaml", ["schedule.device_memory_budget=40"]))
+    check_receives_in_send_order(p)
+    check_plan(p)
 
 
 @st.composite
