@@ -24,12 +24,7 @@ ONE_RANK = ["parallel.pp=1", "parallel.ep=1", "parallel.microbatches=2", "model.
             "model.micro_batch_size=1"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2-core CI: intra-op threads only oversubscribe
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: 2-core CI, intra-op threads only oversubscribe
 
 
 def _t(tid: str, kind: Kind, lane: str, deps=()) -> PlanTask:
