@@ -139,3 +139,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def seeded_planner(monkeypatch):
+    """k3sched.planner.plan returning a plan whose stage 0 waits for gradient 0 before sending
+    activation 0: a lane-order deadlock under NCCL semantics (tests/test_p2p.py)."""
+    import k3sched.planner as planner
+
+    real = planner.plan
+
+    def seeded(cfg, strategy=None, schedule=None):
+        p = real(cfg, strategy, schedule)
+        order = p.lane_orders[(0, "collective")]
+        order.remove("s0/mb0/v0/grad.recv")
+        order.insert(order.index("s0/mb0/v0/act.send"), "s0/mb0/v0/grad.recv")
+        return p
+
+    monkeypatch.setattr(planner, "plan", seeded)

@@ -22,7 +22,7 @@ from k3sched.render import plan_to_json
 from k3sched.schedules import GENERATORS
 from runtime.launch import PLANNED_ONLY
 
-from conftest import CONFIGS, ROOT, launch_p2p_worker
+from conftest import CONFIGS, launch_p2p_worker
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 SMALL = ["parallel.ep=1", "model.seq_len=16", "model.micro_batch_size=1", "model.dense_layers=0"]
@@ -211,24 +211,6 @@ def test_token_order_matches_the_executor():
 
 
 # -- plan time and run time refuse a deadlocking plan ------------------------------------------
-
-@pytest.fixture
-def seeded_planner(monkeypatch):
-    """k3sched.planner.plan returning a plan whose stage 0 waits for gradient 0 before sending
-    activation 0 (the lane-order deadlock above)."""
-    import k3sched.planner as planner
-
-    real = planner.plan
-
-    def seeded(cfg, strategy=None, schedule=None):
-        p = real(cfg, strategy, schedule)
-        order = p.lane_orders[(0, "collective")]
-        order.remove("s0/mb0/v0/grad.recv")
-        order.insert(order.index("s0/mb0/v0/act.send"), "s0/mb0/v0/grad.recv")
-        return p
-
-    monkeypatch.setattr(planner, "plan", seeded)
-
 
 def test_k3sched_plan_refuses_a_deadlocking_plan(seeded_planner, capsys):
     from typer.testing import CliRunner

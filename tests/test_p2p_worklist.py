@@ -101,22 +101,11 @@ def test_worklist_finds_what_every_sweep_finds(name, vpp):
     assert deadlocks  # the seeded faults reach the run, not only the refusals before it
 
 
-def test_plan_out_refusing_a_deadlocking_plan_writes_nothing(monkeypatch, tmp_path):
+def test_plan_out_refusing_a_deadlocking_plan_writes_nothing(seeded_planner, tmp_path):
     from typer.testing import CliRunner
 
-    import k3sched.planner as planner
     from k3sched.cli import app
 
-    real = planner.plan
-
-    def seeded(cfg, strategy=None, schedule=None):  # stage 0 waits for gradient 0 before it sends activation 0
-        p = real(cfg, strategy, schedule)
-        order = p.lane_orders[(0, "collective")]
-        order.remove("s0/mb0/v0/grad.recv")
-        order.insert(order.index("s0/mb0/v0/act.send"), "s0/mb0/v0/grad.recv")
-        return p
-
-    monkeypatch.setattr(planner, "plan", seeded)
     ov = SMALL + ["schedule.pipeline=1f1b", "parallel.pp=2", "parallel.vpp=1", "parallel.microbatches=4",
                   "model.layers=2"]
     args = ["plan", str(TINY), "--out", str(tmp_path / "out")] + [a for o in ov for a in ("--set", o)]

@@ -14,7 +14,7 @@ from k3sched.config import GiB, config_from_dict, load_config
 from k3sched.planner import InfeasibleBudget, plan
 from k3sched.render import dumps_plan
 from k3sched.simulator import DeadlockError, simulate
-from k3sched.tasks import LANES, Kind, Mem, Task
+from k3sched.tasks import Kind, Mem, Task
 
 from conftest import CONFIGS, draw_pipeline_shape
 
