@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .cost import CostModel
 from .graph import StepGraph
 from .simulator import DeadlockError
-from .tasks import LANE_INDEX, LANES, P2P_KINDS, SEND_OF, Kind
+from .tasks import LANE_INDEX, LANES, P2P_KINDS, SEND_OF, WGRAD_KINDS, Kind
 
 # -- list scheduler ---------------------------------------------------------------------------
 _BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
@@ -72,40 +72,43 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
     succ: list[list[int]] = [[] for _ in range(n)]
     ssucc: list[list[int]] = [[] for _ in range(n)]
     ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, fwd = ([] for _ in range(11))
+    comm, send_of = [-1] * n, [-1] * n  # [Note: receives in send order]
+    comm_ids: dict[tuple[Kind, int, int], int] = {}
+    unit, start_deps, slot_of = g.unit, g.start_deps, slots.get
     for i, tid in enumerate(ids):
         t = tasks[tid]
-        v, u, mb = g.unit[tid]
-        s = slots.get((v, u, mb))
+        kind = t.kind
+        v, u, mb = unit[tid]
+        s = slot_of((v, u, mb))
         if s is None:
-            s = _MAX_SLOT if (t.kind is Kind.OPTIM or mb < 0) else slots.get((v, "I", mb), _MAX_SLOT)
+            s = _MAX_SLOT if (kind is Kind.OPTIM or mb < 0) else slot_of((v, "I", mb), _MAX_SLOT)
         ln = LANE_INDEX[t.lane]
-        wg = t.is_wgrad
+        wg = kind in WGRAD_KINDS
+        m = ln == 0 and not wg and kind not in _NOT_MAIN
         stage.append(t.stage)
         lane.append(ln)
         slot.append(s)
         wgrad.append(wg)
-        main.append(ln == 0 and not wg and t.kind not in _NOT_MAIN)
-        fwd.append(main[-1] and u == "F")
-        p2p.append(t.kind in P2P_KINDS)
-        bg.append(t.kind in _BACKGROUND)
+        main.append(m)
+        fwd.append(m and u == "F")
+        p2p.append(kind in P2P_KINDS)
+        bg.append(kind in _BACKGROUND)
         dur.append(t.duration_us)
-        for d in t.deps:
+        deps = t.deps
+        for d in deps:
             succ[index[d]].append(i)
-        ndeps.append(len(t.deps))
-        sd = g.start_deps.get(tid, ())
+        ndeps.append(len(deps))
+        sd = start_deps.get(tid, ())
         for d in sd:
             ssucc[index[d]].append(i)
         nsdeps.append(len(sd))
-    feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
-    comm, send_of = [-1] * n, [-1] * n  # [Note: receives in send order]
-    comm_ids: dict[tuple[Kind, int, int], int] = {}
-    for i, tid in enumerate(ids):
-        t = tasks[tid]
-        if t.kind in _PIPE_RECV:
-            d = next(index[d] for d in t.deps if tasks[d].kind is SEND_OF[t.kind])
-            c = comm_ids.setdefault((t.kind, stage[d], stage[i]), len(comm_ids))
+        if kind in _PIPE_RECV:
+            sk = SEND_OF[kind]
+            d = next(index[d] for d in deps if tasks[d].kind is sk)
+            c = comm_ids.setdefault((kind, stage[d], t.stage), len(comm_ids))
             comm[i] = comm[d] = c
             send_of[i] = d
+    feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
     return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds, fwd,
                      comm, send_of, len(comm_ids))
 

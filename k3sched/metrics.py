@@ -31,44 +31,48 @@ def _merge(iv: np.ndarray) -> np.ndarray:
 
 
 def _covered(a: np.ndarray, b: np.ndarray) -> float:
-    """Length of merged intervals a intersected with merged intervals b."""
+    """Length of merged intervals a intersected with merged intervals b: for each interval of a,
+    the length of b below its end minus that below its start (b's cumulative length at x is its
+    whole intervals ending by x plus the part of the next one before x)."""
     if len(a) == 0 or len(b) == 0:
         return 0.0
-    total = 0.0
-    j = 0
-    for s, e in a:
-        while j < len(b) and b[j, 1] <= s:
-            j += 1
-        k = j
-        while k < len(b) and b[k, 0] < e:
-            total += min(e, b[k, 1]) - max(s, b[k, 0])
-            k += 1
-    return total
+    bs, be = b[:, 0], b[:, 1]
+    cum = np.concatenate(([0.0], np.cumsum(be - bs)))
+    last = len(b) - 1
+
+    def below(x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(be, x, side="right")
+        return cum[k] + np.where(k <= last, np.maximum(x - bs[np.minimum(k, last)], 0.0), 0.0)
+
+    return float((below(a[:, 1]) - below(a[:, 0])).sum())
 
 
 def path_bounds(g: StepGraph) -> tuple[float, dict[str, float], dict[str, float]]:
     """Critical path with unlimited lanes, and per task its earliest start (head) and the longest
     chain that must follow its end (tail). Start deps count as zero-length start-to-start edges."""
-    tasks = g.tasks
+    tasks, start_deps = g.tasks, g.start_deps
     head: dict[str, float] = {}
+    fin: dict[str, float] = {}  # head + duration
     for tid, t in tasks.items():  # creation order is topological
         s = 0.0
         for d in t.deps:
-            e = head[d] + tasks[d].duration_us
+            e = fin[d]
             if e > s:
                 s = e
-        for d in g.start_deps.get(tid, ()):
-            if head[d] > s:
-                s = head[d]
+        sd = start_deps.get(tid)
+        if sd:
+            for d in sd:
+                if head[d] > s:
+                    s = head[d]
         head[tid] = s
+        fin[tid] = s + t.duration_us
     tail: dict[str, float] = dict.fromkeys(tasks, 0.0)
-    for tid in reversed(list(tasks)):
-        t = tasks[tid]
-        after = tail[tid] + t.duration_us  # chain from this task's start to the sink
+    for t in reversed(tasks.values()):
+        after = tail[t.id] + t.duration_us  # chain from this task's start to the sink
         for d in t.deps:
             if after > tail[d]:
                 tail[d] = after
-    cp = max((head[t] + tasks[t].duration_us + tail[t] for t in tasks), default=0.0)
+    cp = max((fin[t] + tail[t] for t in tasks), default=0.0)
     return cp, head, tail
 
 
