@@ -193,7 +193,7 @@ class _Builder:
         self.offload_sets: dict[tuple[int, int, int], int] = {}
         self._saved = {k: self.cost.saved_bytes(k) for k in Kind}
         self._grad_out = {k: self.cost.grad_out_bytes(k) for k in Kind}
-        self._dur: dict[Kind, float] = {}
+        self._dur: dict[object, float] = {}  # memo of dur() and a2a_bytes(), per cost model
         # sequence slices ([Note: sequence slices] in k3sched/seqslice.py): one cost model per slice
         self.S = cfg.parallel.seq_chunks
         self._j: int | None = None  # the slice being built (None: whole micro-batches)
@@ -220,12 +220,26 @@ class _Builder:
         return format_task_id(stage, Kind.OPTIM, step=step or None)
 
     def dur(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
-        if kind in (Kind.GRAD_RS,) or nbytes:
-            return self.cost.duration_us(kind, layer=layer, nbytes=nbytes)
+        """Duration of a task of ``kind`` (by layer and payload where those price it), each
+        distinct one costed once: a K2-like step has 35k tasks of a few dozen distinct costs."""
+        if kind is Kind.GRAD_RS or nbytes:
+            key: object = (kind, layer, nbytes)
+            d = self._dur.get(key)
+            if d is None:
+                d = self._dur[key] = self.cost.duration_us(kind, layer=layer, nbytes=nbytes)
+            return d
         d = self._dur.get(kind)
         if d is None:
             d = self._dur[kind] = self.cost.duration_us(kind)
         return d
+
+    def a2a_bytes(self, kind: Kind) -> int:
+        """:meth:`CostModel.a2a_bytes` of ``kind``, computed once per cost model (slice)."""
+        key = ("a2a_bytes", kind)
+        b = self._dur.get(key)
+        if b is None:
+            b = self._dur[key] = self.cost.a2a_bytes(kind)
+        return int(b)
 
     def add(self, kind: Kind, v: int, unit: str, mb: int | None, *, layer: int | None = None, deps=(),
             alloc: Mem | None = None, free: Mem | None = None, nbytes: int = 0, scope_chunk: bool = False,
@@ -363,13 +377,13 @@ class _Builder:
             if model.is_moe(L):
                 r = self.add(Kind.ROUTER_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.ROUTER_FWD))
                 d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r],
-                             nbytes=self.cost.a2a_bytes(Kind.DISPATCH_FWD),
+                             nbytes=self.a2a_bytes(Kind.DISPATCH_FWD),
                              alloc=self.fwd_alloc(Kind.DISPATCH_FWD), duration=self.dur(Kind.DISPATCH_FWD))
                 e = self.add(Kind.EXPERT_FWD, v, "F", m, layer=L, deps=[d], alloc=self.fwd_alloc(Kind.EXPERT_FWD))
                 sh = self.add(Kind.SHARED_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.SHARED_FWD))
                 # combine adds the shared expert's output into the layer output it returns
                 c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e, sh],
-                             nbytes=self.cost.a2a_bytes(Kind.COMBINE_FWD),
+                             nbytes=self.a2a_bytes(Kind.COMBINE_FWD),
                              alloc=self.fwd_alloc(Kind.COMBINE_FWD), duration=self.dur(Kind.COMBINE_FWD))
                 prev = [c, sh]
                 kinds = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD,
@@ -471,7 +485,7 @@ class _Builder:
                 self.add(k, v, "W", m, layer=L, deps=deps, free=Mem(device=free)))
             if model.is_moe(L):
                 cb = self.add(Kind.COMBINE_BWD, v, "I", m, layer=L, deps=ups,
-                              nbytes=cost.a2a_bytes(Kind.COMBINE_BWD), duration=self.dur(Kind.COMBINE_BWD))
+                              nbytes=self.a2a_bytes(Kind.COMBINE_BWD), duration=self.dur(Kind.COMBINE_BWD))
                 first_bwd[L] = cb
                 sdx = self.add(Kind.SHARED_DX, v, "I", m, layer=L, deps=ups,
                                free=Mem(device=sv[Kind.SHARED_FWD][1]), alloc=Mem(device=dx_alloc(Kind.SHARED_DX)))
@@ -482,13 +496,13 @@ class _Builder:
                     # it runs on the ep lane while the expert backward computes.
                     disp_bytes = cost.T * model.top_k * model.hidden * cost.b
                     wdeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups,
-                                          nbytes=cost.a2a_bytes(Kind.DISPATCH_RE),
+                                          nbytes=self.a2a_bytes(Kind.DISPATCH_RE),
                                           alloc=Mem(device=disp_bytes), duration=self.dur(Kind.DISPATCH_RE)))
                 edx = self.add(Kind.EXPERT_DX, v, "I", m, layer=L, deps=[cb],
                                free=Mem(device=sv[Kind.EXPERT_FWD][1] + sv[Kind.COMBINE_FWD][1]),
                                alloc=Mem(device=dx_alloc(Kind.EXPERT_DX)))
                 db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx],
-                              nbytes=cost.a2a_bytes(Kind.DISPATCH_BWD), duration=self.dur(Kind.DISPATCH_BWD))
+                              nbytes=self.a2a_bytes(Kind.DISPATCH_BWD), duration=self.dur(Kind.DISPATCH_BWD))
                 rb = self.add(Kind.ROUTER_BWD, v, "I", m, layer=L, deps=[db, sdx], free=Mem(device=sum(sv[Kind.ROUTER_FWD])))
                 adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb, *self._kv_grad_dep(stage, m, L)],
                                **self._attn_dx_mem(Kind.ATTN_DX, sv[Kind.ATTN_FWD][1], dx_alloc(Kind.ATTN_DX)))
