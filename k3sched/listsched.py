@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .cost import CostModel
 from .graph import StepGraph
 from .simulator import DeadlockError
-from .tasks import LANE_INDEX, LANES, P2P_KINDS, SEND_OF, WGRAD_KINDS, Kind
+from .tasks import LANE_INDEX, LANES, P2P_KINDS, RECV_KINDS, SEND_OF, WGRAD_KINDS, Kind
 
 # -- list scheduler ---------------------------------------------------------------------------
 _BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
@@ -50,7 +50,7 @@ class _Prepared:
 # K2-like at a 40 GiB budget was refused (grad 9->8, transfer #46: s9/mb31 sent before s9/mb30,
 # s8 posted mb30 first). So the receives of a communicator start in the order their sends started:
 # one that is ready before its turn is held until the receive before it started.
-_PIPE_RECV = frozenset({Kind.FWD_RECV, Kind.BWD_RECV})
+_PIPE_RECV = RECV_KINDS & P2P_KINDS  # act.recv, grad.recv (not the remote-offload receives)
 
 
 _MAX_SLOT = 1 << 30

@@ -87,8 +87,9 @@ def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | Non
                       limit_s: float = 240.0, what: str = "the runs") -> tuple[int, str]:
     """Run ``tests/p2p_worker.py`` with ``spec`` (written to ``work/spec.json``) under one torchrun
     launch of ``nproc`` ranks (gloo, a free loopback port, no restarts), as tests/test_p2p.py does;
-    returns (exit code, combined output). Fails the test when it outlives ``limit_s``; the process
-    group is killed either way."""
+    returns (exit code, combined output; on failure it ends with the ranks' ``error_rank*.txt``
+    lines found under ``work``). Fails the test when it outlives ``limit_s``; the process group is
+    killed either way."""
     import json
     import subprocess
     import sys
@@ -107,6 +108,9 @@ def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | Non
         pytest.fail(f"{what} took longer than {limit_s:.0f} s")
     finally:
         kill_group(proc)
+    if proc.returncode:
+        errors = sorted(f"{p}: {p.read_text().strip()}" for p in work.rglob("error_rank*.txt"))
+        out += "\nerror files:\n" + "\n".join(errors)
     return proc.returncode, out
 
 

@@ -124,8 +124,7 @@ def _launch(tmp: Path, nproc: int, runs: dict[str, list[str]]) -> None:
     spec = {"runs": [{"out": str(tmp / n), "overrides": ov, "p2p": "buffered", "steps": 3,
                       "args": ["--dump-params"]} for n, ov in runs.items()], "timeout_s": 120}
     rc, out = launch_p2p_worker(spec, tmp, nproc=nproc, limit_s=LIMIT_S)
-    errors = sorted(str(p) + ": " + p.read_text().strip() for p in tmp.rglob("error_rank*.txt"))
-    assert rc == 0, f"{errors}; output: {out[-3000:]}"
+    assert rc == 0, out[-3000:]
 
 
 def _check(d: Path, overrides: list[str]) -> None:

@@ -264,8 +264,7 @@ def test_every_schedule_trains_identically_in_strict_mode(tmp_path):
             for name in RUNTIME_SCHEDULES for mode in ("buffered", "strict")]
     rc, out = launch_p2p_worker({"runs": runs, "timeout_s": 60, "crossing": str(tmp_path), "crossing_timeout_s": 3.0},
                                 tmp_path, limit_s=LIMIT_S, what="the P2P worker")
-    errors = sorted(str(p) + ": " + p.read_text().strip() for p in tmp_path.rglob("error_rank*.txt"))
-    assert rc == 0, f"worker exited {rc}: {errors}; output: {out[-3000:]}"
+    assert rc == 0, f"worker exited {rc}: {out[-3000:]}"
     for name in RUNTIME_SCHEDULES:
         a, b = (json.loads((tmp_path / f"{name}-{mode}" / "summary.json").read_text()) for mode in ("buffered", "strict"))
         assert (a["pipeline"], a["p2p"], b["p2p"]) == (name, "buffered", "strict")

@@ -170,8 +170,7 @@ def test_sliced_runs_train_like_the_unsliced_reference_and_their_traces_validate
                      for n, (ov, p2p, _, _) in runs.items()], "timeout_s": 90}
     # offload debug: checksums of every offloaded set and residency checks before every backward read
     rc, out = launch_p2p_worker(spec, tmp_path, env={"K3SCHED_OFFLOAD_DEBUG": "1"}, limit_s=LIMIT_S)
-    errors = "".join(p.read_text() for p in tmp_path.glob("*/error_rank*.txt"))
-    assert rc == 0, out[-3000:] + errors[-3000:]
+    assert rc == 0, out[-3000:]
     for name, (ov, _, bounds, where) in runs.items():
         d = tmp_path / name
         cfg = load_config(tiny, ov)
