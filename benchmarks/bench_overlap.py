@@ -47,7 +47,8 @@ CONFIGS = {
 }
 RATIOS = (0.5, 1.0, 2.0)
 PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param",
-          "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte
+          "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte,
+# comm_cpu_us_per_call
 
 
 def probe_hardware(work: Path) -> dict:
@@ -66,6 +67,7 @@ def probe_hardware(work: Path) -> dict:
     shaped = probe(None, nproc=2, quick=True, testbed=tb, work_dir=work / "probe_tb").hardware
     out["hardware.internode_latency_us"] = shaped["internode_latency_us"]
     out["hardware.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
+    out["hardware.comm_cpu_us_per_call"] = shaped["comm_cpu_us_per_call"]
     return out
 
 

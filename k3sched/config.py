@@ -221,6 +221,12 @@ class HardwareConfig(_Section):
     """CPU time (ns, 0..1e6) a byte sent or received costs the rank (gloo threads, the kernel's TCP path) when
     lanes are CPU threads (``host_cores`` set); compute that overlaps a transfer is slowed by it.
     ``k3sched probe`` measures it; 0: transfers cost no CPU (NIC DMA, GPUs)."""
+    comm_cpu_us_per_call: float = _float(0.0, 1e6, open_low=False, default=0.0)
+    """CPU time (µs, 0..1e6) each communication call costs the rank besides its bytes, when lanes are CPU
+    threads (``host_cores`` set): gloo's and the kernel's per-message work, thread wake-ups, the cache the
+    compute thread loses to them. Compute that overlaps the call is slowed by it ([Note: CPU cost of
+    communication] in k3sched/planner.py). ``k3sched probe`` measures it in the testbed as what
+    concurrent all-to-alls cost a computing thread; 0: none."""
     host_cores: int = _int(0, 1 << 20, default=0)
     """CPU cores (0..1048576) the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
     rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /

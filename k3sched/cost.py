@@ -317,7 +317,7 @@ class CostModel:
             terms = tuple(t for t in ((intra * per_peer, hw.nvlink_gbps), (inter * per_peer, hw.internode_gbps))
                           if t[0])
         inter_any = ep > g
-        calls = 2 if kind in (Kind.DISPATCH_FWD, Kind.DISPATCH_RE) else 1
+        calls = self.comm_calls(kind)
         lat = hw.internode_latency_us if inter_any else hw.nvlink_latency_us
         a2a = self.skew_factors()[1]  # the busiest rank's bytes ([Note: skewed cost] in k3sched/balance.py)
         return Wire(steps=calls, terms=tuple((b * a2a, gbps) for b, gbps in terms), latency_us=lat)
@@ -492,14 +492,23 @@ class CostModel:
         """What a communication task costs the rank's CPU ([Note: CPU cost of communication] in
         k3sched/planner.py): (bytes it sends plus receives, host-side µs). An all-to-all and a ring
         reduction send and receive ``nbytes`` each; a P2P receive takes the activation bytes; an
-        EP task also runs its host-side work (:meth:`overhead_us`). (0, 0) for other lanes."""
+        EP task also runs its host-side work (:meth:`overhead_us`), and on the CPU runner every call
+        costs ``hardware.comm_cpu_us_per_call`` (:meth:`comm_calls`). (0, 0) for other lanes."""
         lane = LANE_OF[kind]
         if lane not in ("ep", "collective", "offload_remote"):
             return 0.0, 0.0
+        hw = self.cfg.hardware
+        per_call = hw.comm_cpu_us_per_call * self.comm_calls(kind) if hw.host_cores else 0.0
         if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
-            return float(self.p2p_bytes()), 0.0
+            return float(self.p2p_bytes()), per_call
         moved = 2 * nbytes if lane == "ep" or kind in (Kind.GRAD_RS, Kind.GRAD_MIRROR) else nbytes
-        return float(moved), (self.overhead_us(kind) if lane == "ep" else 0.0)
+        return float(moved), (self.overhead_us(kind) if lane == "ep" else 0.0) + per_call
+
+    @staticmethod
+    def comm_calls(kind: Kind) -> int:
+        """Communication calls a task of ``kind`` makes: a dispatch (and its recompute) 2 (the
+        token counts, then the rows), every other communication task 1."""
+        return 2 if kind in (Kind.DISPATCH_FWD, Kind.DISPATCH_RE) else 1
 
     def comm_cpu_ns_per_byte(self) -> float:
         """CPU time per byte a rank sends or receives, when lanes are CPU threads (``host_cores``
@@ -507,6 +516,12 @@ class CostModel:
         hw = self.cfg.hardware
         fitted = self.profile.comm_cpu_ns_per_byte
         return (hw.comm_cpu_ns_per_byte if fitted is None else fitted) if hw.host_cores else 0.0
+
+    def comm_costs_cpu(self) -> bool:
+        """Whether a transfer costs the rank's cores anything (per byte or per call): the planner then
+        stretches the compute that overlaps it ([Note: CPU cost of communication] in k3sched/planner.py)."""
+        hw = self.cfg.hardware
+        return bool(self.comm_cpu_ns_per_byte() or (hw.host_cores and hw.comm_cpu_us_per_call))
 
     def optim_us(self, params: int, nonlayer_params: int) -> float:
         """optim.run of a stage holding ``params`` parameters: AdamW over them (this rank's

@@ -220,7 +220,7 @@ class _Search:
         raw: list = []
         lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
         dur = None
-        if not self.serial and self.cost.comm_cpu_ns_per_byte():
+        if not self.serial and self.cost.comm_costs_cpu():
             for _ in range(2):  # [Note: CPU cost of communication]: a fixed point in two rounds
                 busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
                 lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
@@ -258,7 +258,8 @@ class _Search:
 def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel, raw: list) -> list[float]:
     """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
     gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
-    sends or receives (``k3sched probe`` measures it), and an EP task's host-side work (routing
+    sends or receives and ``hardware.comm_cpu_us_per_call`` per call (``k3sched probe`` measures
+    both, as what concurrent all-to-alls cost a computing thread), and an EP task's host-side work (routing
     bookkeeping, permutes: its ``overhead_us``) runs on the same core. A compute task that overlaps a transfer
     shares its core with that work, so it takes longer by the CPU time the overlapping transfers
     spend during it (each transfer's CPU spread evenly over its planned span). Returns the

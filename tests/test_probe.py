@@ -79,7 +79,8 @@ def _fake_result(nproc: int = 2):
     hw = {"name": "probe cpu-2core", "peak_tflops": 0.07, "mfu": 1.0, "hbm_gbps": 15.0, "device_memory_gb": 0.25,
           "host_memory_gb": 4.0, "gpus_per_node": 4, "nvlink_gbps": 0.9, "nvlink_latency_us": 300.0,
           "internode_gbps": 0.9, "internode_latency_us": 300.0, "pcie_gbps": 20.0, "pcie_latency_us": 1.5,
-          "launch_us": 15.0, "optim_ns_per_param": 7.5, "host_cores": 2, "comm_cpu_ns_per_byte": 3.0}
+          "launch_us": 15.0, "optim_ns_per_param": 7.5, "host_cores": 2, "comm_cpu_ns_per_byte": 3.0,
+          "comm_cpu_us_per_call": 250.0}
     coll = {"groups": {}, "fits": {"loopback": {"sendrecv": Fit(300.0, 0.9, 0.05, 4)}}}
     return ProbeResult(hw, [Row("x", "1", "y")], coll, [], "cpu", nproc, False, ["a note"])
 
@@ -105,6 +106,27 @@ def test_written_config_loads_and_plans(tmp_path):
     assert HardwareConfig.model_validate(doc["hardware"]).model_dump() == res.hardware
     merged = load_config(TINY, [f"hardware.{k}={v}" for k, v in doc["hardware"].items()])
     assert merged.hardware.model_dump() == res.hardware
+
+
+def _contended(points):
+    return {"groups": {"inter": {"ranks": [0, 1], "ops": {}, "contended": [
+        {"bytes": int(m / 2), "moved_bytes": m, "stretch_us": s} for m, s in points]}}}
+
+
+def test_comm_cpu_fit_splits_the_loss_into_per_call_and_per_byte():
+    from runtime.probe import comm_cpu_fit
+
+    # 300 µs a call plus 1.5 ns a byte, exactly
+    pts = [(m, 300.0 + 1.5e-3 * m) for m in (16384.0, 262144.0, 1048576.0)]
+    ns, call = comm_cpu_fit(_contended(pts))
+    assert ns == pytest.approx(1.5) and call == pytest.approx(300.0)
+    # noise that tilts the line below 0 at 0 bytes: no negative per-call part, the bytes carry it
+    ns, call = comm_cpu_fit(_contended([(16384.0, 5.0), (262144.0, 200.0), (1048576.0, 2000.0)]))
+    assert call == 0.0 and ns > 0
+    # a loss that falls with size: no negative per-byte part, the calls carry it
+    ns, call = comm_cpu_fit(_contended([(16384.0, 500.0), (262144.0, 400.0), (1048576.0, 450.0)]))
+    assert ns == 0.0 and call == pytest.approx(450.0)
+    assert comm_cpu_fit({"groups": {"inter": {"ranks": [0, 1], "ops": {}}}}) is None
 
 
 # -- user errors: one line, exit 2, nothing measured -----------------------------------------------------
@@ -154,6 +176,10 @@ def test_quick_probe_on_two_ranks_writes_a_config_that_plans(tmp_path):
     assert hw.mfu == 1.0 and hw.nvlink_gbps == hw.internode_gbps and hw.gpus_per_node == 4
     assert 1e-4 < hw.peak_tflops < 10 and 0.05 < hw.hbm_gbps < 1e3 and 0.01 < hw.nvlink_gbps < 100
     assert 0 < hw.launch_us < 1e4 and hw.pcie_gbps > 0.05
+    # what concurrent all-to-alls cost a computing thread, measured on CPU and fitted per call and byte
+    assert "beside compute" in r.stdout and "comm_cpu_us_per_call" in r.stdout
+    assert 0 <= hw.comm_cpu_us_per_call < 1e5 and 0 <= hw.comm_cpu_ns_per_byte < 1e3
+    assert hw.comm_cpu_us_per_call + hw.comm_cpu_ns_per_byte > 0
     assert plan(cfg).metrics["step_time_us"] > 0
 
 

@@ -65,7 +65,7 @@ import torch
 
 KiB, MiB = 1 << 10, 1 << 20
 from .collectives import (  # noqa: F401 - the public parts, as runtime.probe.NAME
-    collective_groups, comm_cpu_ns_per_byte, launch_workers, link_numbers, measure_collectives, worker_main)
+    collective_groups, comm_cpu_fit, comm_cpu_ns_per_byte, launch_workers, link_numbers, measure_collectives, worker_main)
 from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
@@ -211,7 +211,8 @@ def _probe_links(nproc: int, gpn: int, testbed: Any, knobs: Knobs, timeout_s: fl
     where = "in the shaped-link testbed" if testbed is not None else "on this machine (loopback)"
     say(f"collectives: {nproc} ranks {where}, {len(knobs.coll_sizes)} sizes")
     coll = measure_collectives(nproc, sizes=knobs.coll_sizes, reps=knobs.coll_reps, min_s=knobs.coll_min_s,
-                               timeout_s=timeout_s, testbed=testbed, groups=groups, work_dir=work_dir)
+                               timeout_s=timeout_s, testbed=testbed, groups=groups, work_dir=work_dir,
+                               contended_s=knobs.contended_s if device.type == "cpu" else 0.0)
     backend = coll.get("backend", "?")
     links: dict[str, tuple[float, float]] = {}
     for name, fits in coll["fits"].items():
@@ -243,15 +244,28 @@ def _probe_links(nproc: int, gpn: int, testbed: Any, knobs: Knobs, timeout_s: fl
                                     f"{got / shaped * 100:.0f}%"))
         notes.append("testbed: link latency is not emulated (no netem); the latencies are the per-call cost of "
                      "gloo over TCP through the namespaces' veths")
-    cpu_ns = comm_cpu_ns_per_byte(coll) if device.type == "cpu" else 0.0
-    rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", "process CPU time of rank 0 during its largest "
-                    "all_to_alls / bytes it sent and received (gloo threads, kernel TCP); 0 on CUDA"))
+    cpu_ns, call_us = (comm_cpu_ns_per_byte(coll), 0.0) if device.type == "cpu" else (0.0, 0.0)
+    fit = comm_cpu_fit(coll) if device.type == "cpu" else None
+    if fit is not None:
+        for r in next(g["contended"] for g in coll["groups"].values() if g.get("contended")):
+            rows.append(Row(f"  all_to_all {_size(r['bytes'])} beside compute",
+                            f"{r['stretch_us']:.3g} µs lost per call",
+                            f"a GEMM loop's extra time per concurrent call; the call itself {r['busy_call_us']:.3g} µs "
+                            f"(alone {r['idle_call_us']:.3g} µs)"))
+        cpu_ns, call_us = fit
+        how = ("what concurrent all_to_alls cost a computing thread of the same rank, fitted over 3 sizes "
+               "([Note: what a call costs a computing thread] in runtime/probe/collectives.py)")
+        rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", f"per byte sent + received: {how}"))
+        rows.append(Row("comm_cpu_us_per_call", f"{call_us:.3g} µs", "per call: the same fit's intercept"))
+    else:
+        rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", "process CPU time of rank 0 during its "
+                        "largest all_to_alls / bytes it sent and received (gloo threads, kernel TCP); 0 on CUDA"))
     rows.append(Row("nvlink_gbps", f"{intra[0]:.4g} GB/s", how))
     rows.append(Row("nvlink_latency_us", f"{intra[1]:.3g} µs", how))
     rows.append(Row("internode_gbps", f"{inter[0]:.4g} GB/s", ihow))
     rows.append(Row("internode_latency_us", f"{inter[1]:.3g} µs", ihow))
     hw.update(nvlink_gbps=intra[0], nvlink_latency_us=intra[1], internode_gbps=inter[0],
-              internode_latency_us=inter[1], comm_cpu_ns_per_byte=cpu_ns)
+              internode_latency_us=inter[1], comm_cpu_ns_per_byte=cpu_ns, comm_cpu_us_per_call=call_us)
     return coll
 
 
@@ -277,7 +291,7 @@ def _hardware(hw_base, cuda: bool, nproc: int, gpn: int, hw: dict[str, Any]) -> 
         "internode_gbps": m["internode_gbps"], "internode_latency_us": m["internode_latency_us"],
         "pcie_gbps": m["pcie_gbps"], "pcie_latency_us": m["pcie_latency_us"], "launch_us": m["launch_us"],
         "optim_ns_per_param": m["optim_ns_per_param"], "host_cores": hw["host_cores"],
-        "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"],
+        "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"], "comm_cpu_us_per_call": m["comm_cpu_us_per_call"],
     }
 
 
@@ -296,7 +310,8 @@ _FIELD_HOW = {
     "launch_us": "measured: tiny matmul + executor overhead per task",
     "optim_ns_per_param": "measured: AdamW step per parameter, 1 thread",
     "host_cores": "os.cpu_count() on CPU (ranks' lanes share them), 0 on CUDA",
-    "comm_cpu_ns_per_byte": "measured: CPU time per byte sent + received in the largest all_to_alls",
+    "comm_cpu_ns_per_byte": "measured: compute time lost per byte a concurrent all_to_all sends + receives (CPU)",
+    "comm_cpu_us_per_call": "measured: compute time lost per concurrent all_to_all call, beside its bytes (CPU)",
     "device_memory_gb": "not measured",
     "host_memory_gb": "not measured",
     "gpus_per_node": "not measured",

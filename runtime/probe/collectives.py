@@ -84,7 +84,8 @@ def launch_workers(nproc: int, worker_args: Sequence[str], out_dir: Path, *, tim
 
 def measure_collectives(nproc: int, *, sizes: Sequence[int] = COLL_SIZES, reps: int = 5, min_s: float = 0.005,
                         timeout_s: float = 300.0, testbed: Any = None, groups: dict[str, list[int]] | None = None,
-                        work_dir: str | Path | None = None, device: str | None = None) -> dict[str, Any]:
+                        work_dir: str | Path | None = None, device: str | None = None,
+                        contended_s: float = 0.0) -> dict[str, Any]:
     """Launch the collective probe on ``nproc`` ranks and return the ranks' result: ``{"world",
     "backend", "groups": {name: {"ranks": [...], "ops": {op: [{"bytes", "time_us", "algbw_gbps",
     "busbw_gbps", "iters", "samples_us"}]}}}}`` plus ``"fits": {group: {op: Fit}}`` (busbw fits).
@@ -104,7 +105,8 @@ def measure_collectives(nproc: int, *, sizes: Sequence[int] = COLL_SIZES, reps: 
     for stale in list(out.glob("error_rank*.txt")) + [out / RESULT_FILE]:
         stale.unlink(missing_ok=True)
     args = ["--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--reps", str(reps), "--min-s",
-            str(min_s), "--timeout", str(max(10.0, timeout_s)), "--groups", json.dumps(groups), "--device", device]
+            str(min_s), "--timeout", str(max(10.0, timeout_s)), "--groups", json.dumps(groups), "--device", device,
+            "--contended-s", str(contended_s)]
     # A Testbed not yet started is opened around the launch only (and deleted again on every exit).
     own = testbed is not None and not getattr(testbed, "open", True)
     try:
@@ -190,6 +192,116 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
     return out
 
 
+CONTENDED_SIZES = (16 * KiB, 256 * KiB, 1 * MiB)
+"""All-to-all sizes of the contended measurement ([Note: what a call costs a computing thread])."""
+
+
+def _agreed(value: float, group, device: torch.device) -> float:
+    """The largest ``value`` over the ranks of ``group``: every rank then loops the same count."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], window_s: float, reps: int,
+                      device: torch.device) -> list[dict]:
+    """[Note: what a call costs a computing thread] On the CPU runner a rank's lanes are threads on
+    shared cores: while the EP or collective lane transfers, the compute lane loses CPU to gloo's
+    threads, the kernel's TCP path and their wake-ups. The process CPU time of a transfer
+    (``comm_cpu_ns_per_byte`` of the plain probe) misses part of that: softirq work charged to
+    whichever process ran, context switches, the caches the compute thread then refills. This
+    measures the loss where the planner uses it: every rank runs a fixed GEMM loop of about
+    ``window_s`` once alone and once while a second thread runs back-to-back all-to-alls (as the EP
+    lane does, ``moe.comm.all_to_all_rows``); the loop's extra time over the calls that completed in
+    it is what one call of that size cost the computing thread. :func:`comm_cpu_fit` splits it into
+    a per-call and a per-byte part over the sizes."""
+    import threading
+
+    import torch.distributed as dist
+
+    from moe.comm import all_to_all_rows
+
+    n = len(ranks)
+    a, b = torch.randn(512, 256), torch.randn(256, 1024)
+
+    def gemms(k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            torch.mm(a, b)
+        return time.perf_counter() - t0
+
+    gemms(10)
+    k = int(_agreed(max(1, window_s / max(gemms(20) / 20, 1e-6)), group, device))
+    rows = []
+    for size in sizes:
+        numel = max(n, size // 4 // n * n)
+        x, y = torch.zeros(numel), torch.empty(numel)
+        splits = [numel // n] * n
+
+        def call(x=x, y=y, splits=splits):
+            all_to_all_rows(y, x, splits, splits, group)
+
+        call()
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            call()
+        idle = _agreed((time.perf_counter() - t0) / 3, group, device)
+        stretch, per_call = [], []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            alone = gemms(k)
+            calls = int(_agreed(math.ceil(1.5 * alone / max(idle, 1e-6)) + 4, group, device))
+            stamps: list[float] = []
+
+            def loop(calls=calls, stamps=stamps, call=call):
+                for _ in range(calls):
+                    call()
+                    stamps.append(time.perf_counter())
+
+            dist.barrier(group=group)
+            th = threading.Thread(target=loop, name="probe-comm", daemon=True)
+            th.start()
+            time.sleep(min(0.01, idle))  # the transfers are under way when the loop starts
+            t0 = time.perf_counter()
+            busy = gemms(k)
+            t1 = t0 + busy
+            th.join()
+            done = [t for t in stamps if t0 <= t <= t1]
+            if len(done) >= 2:
+                stretch.append((busy - alone) / len(done))
+                per_call.append((done[-1] - done[0]) / (len(done) - 1))
+        if stretch:
+            rows.append({"bytes": numel * 4, "moved_bytes": 2 * numel * 4 * (n - 1) / n,
+                         "stretch_us": statistics.median(stretch) * 1e6, "samples_us": [v * 1e6 for v in stretch],
+                         "idle_call_us": idle * 1e6, "busy_call_us": statistics.median(per_call) * 1e6})
+    return rows
+
+
+def comm_cpu_fit(coll: dict) -> tuple[float, float] | None:
+    """(ns per byte moved, µs per call) that concurrent all-to-alls cost a computing thread, from
+    the contended rows of the first group that has them ([Note: what a call costs a computing
+    thread]): a least-squares line through (bytes a rank sends plus receives, loop time lost per
+    call), both parts at least 0. None without contended rows."""
+    import numpy as np
+
+    for group in coll.get("groups", {}).values():
+        rows = group.get("contended") or []
+        if len(rows) < 2:
+            continue
+        x = np.array([r["moved_bytes"] for r in rows], dtype=float)
+        y = np.array([r["stretch_us"] for r in rows], dtype=float)
+        slope, icpt = np.polyfit(x, y, 1)
+        if slope < 0:
+            return 0.0, max(0.0, float(np.median(y)))
+        if icpt < 0:
+            return max(0.0, float(np.sum(x * y) / np.sum(x * x)) * 1e3), 0.0
+        return float(slope) * 1e3, float(icpt)
+    return None
+
+
 def worker_main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.probe worker")
     ap.add_argument("--out", type=Path, required=True)
@@ -199,6 +311,8 @@ def worker_main(argv: Sequence[str]) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     ap.add_argument("--groups", default=None, help='JSON {"name": [ranks]} (default: every rank)')
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--contended-s", type=float, default=0.0,
+                    help="CPU: seconds of the GEMM loop of the contended measurement (0: none)")
     a = ap.parse_args(list(argv))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -225,6 +339,9 @@ def worker_main(argv: Sequence[str]) -> int:
             if rank in ranks:
                 ops = _worker_measure(handles[name], ranks, rank, sizes, a.reps, a.min_s, device)
                 result["groups"][name] = {"ranks": ranks, "ops": ops}
+                if a.contended_s > 0 and device.type == "cpu":
+                    result["groups"][name]["contended"] = _worker_contended(
+                        handles[name], ranks, rank, CONTENDED_SIZES, a.contended_s, 3, device)
             dist.barrier()
         if rank == 0:
             tmp = a.out / (RESULT_FILE + ".tmp")

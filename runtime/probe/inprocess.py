@@ -133,13 +133,15 @@ class Knobs:
     coll_sizes: tuple[int, ...] = COLL_SIZES
     coll_reps: int = 5
     coll_min_s: float = 0.005
+    contended_s: float = 0.5  # GEMM loop per sample of the contended measurement (CPU)
 
     @classmethod
     def of(cls, quick: bool) -> Knobs:
         if not quick:
             return cls()
         return cls(reps=3, min_s=0.002, gemm_target_s=0.005, hbm_bytes_cpu=32 * MiB, hbm_bytes_cuda=256 * MiB,
-                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002)
+                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002,
+                   contended_s=0.5)
 
 
 # -- compute ---------------------------------------------------------------------------------------
