@@ -13,9 +13,10 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
   comm/compute overlap of the k3 run (``traces.validate``: share of communication-lane time that
   overlaps compute, stage 0 / rank 0).
 
-Predictions are uncalibrated: compute, launch, AdamW and copy rates come from ``k3sched probe``
-run once at the start (no testbed), the links from the shaped rates and the probe's per-call
-latency inside the testbed. Nothing is fitted to these runs.
+Predictions are uncalibrated: compute, launch, AdamW and copy rates and the router's imbalance
+(``model.routing_imbalance``) come from ``k3sched probe`` run once at the start (no testbed), the
+links from the shaped rates and the probe's per-call latency and CPU cost of communication inside
+the testbed. Nothing is fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
 EP-bound config predicts four other configs, each then run: twice the micro-batches, serial,
@@ -63,6 +64,7 @@ def probe_hardware(work: Path) -> dict:
     res = probe(cfg, nproc=2, quick=True, work_dir=work / "probe")
     out = {f"hardware.{k}": res.hardware[k] for k in PROBED}
     out["schedule.profile"] = str(write_ops_profile(res.ops_us, work / "ops.yaml"))
+    out["model.routing_imbalance"] = res.routing_imbalance
     tb = Testbed(cfg.hardware, 2, internode_gbps=0.05, gpus_per_node=1)
     shaped = probe(None, nproc=2, quick=True, testbed=tb, work_dir=work / "probe_tb").hardware
     out["hardware.internode_latency_us"] = shaped["internode_latency_us"]

@@ -208,14 +208,35 @@ def placement_for(cfg: Config) -> Placement:
 
 
 def load_factors(cfg: Config) -> tuple[float, float]:
-    """(expert GEMM factor, all-to-all bytes factor) of the busiest EP rank ([Note: skewed cost])."""
+    """(expert GEMM factor, all-to-all bytes factor) of the busiest EP rank ([Note: skewed cost],
+    [Note: routing imbalance])."""
     ep = cfg.parallel.ep
     if ep == 1 or not cfg.model.experts:
         return 1.0, 1.0
     shares = placement_for(cfg).rank_shares(expected_loads(cfg))
     gemm = ep * max(shares)
     a2a = max(max((ep - 1) * s, 1 - s) for s in shares) / ((ep - 1) / ep)
-    return gemm, a2a
+    noise = cfg.model.routing_imbalance
+    return min(float(ep), gemm * noise), min(float(ep), a2a * noise)
+
+
+def routing_imbalance(tokens_per_expert: list[list[int]], ep: int) -> float:
+    """[Note: routing imbalance] An all-to-all ends when its busiest rank does, and that rank's expert
+    GEMMs are the longest: what matters is max over mean of the EP ranks' routed tokens *per call*.
+    Even an unskewed router spreads tokens unevenly: its initial weights and the data give some
+    experts more than others, differently in every layer and micro-batch (on the shaped-link
+    testbed, tiny-cpu's router at init: 1.00-1.20 per layer and step, mean 1.09, over EP 2), and
+    per-layer noise does not average out over a step, since every call waits for its own busiest
+    rank. Given each call's tokens per expert (one row per layer and micro-batch, from a run at
+    EP 1: ``k3sched probe``'s operator profile), this is the mean over the calls of that ratio on
+    the contiguous placement of ``ep`` ranks; ``model.routing_imbalance`` carries it to the cost
+    model, which scales the modelled loads' factors by it ([Note: skewed cost]). 1.0 without
+    calls or at ep 1."""
+    if ep <= 1 or not tokens_per_expert:
+        return 1.0
+    flat = contiguous(len(tokens_per_expert[0]), ep)
+    vals = [imbalance(flat.rank_loads(row)) for row in tokens_per_expert if sum(row)]
+    return sum(vals) / len(vals) if vals else 1.0
 
 
 _PLACEMENT_CACHE: dict[tuple[str, float, int, int], Placement] = {}

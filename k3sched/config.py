@@ -100,6 +100,12 @@ class ModelConfig(_Section):
     """Zipf exponent of the synthetic router's expert popularity, 0..16 (0: uniform): a fixed bias
     ``-router_skew * ln(e + 1)`` on expert e's router logit ([Note: router skew] in
     k3sched/balance.py). Left out of plan.json's config when 0."""
+    routing_imbalance: float = _float(1.0, 64.0, open_low=False, default=1.0)
+    """Expected busiest EP rank's routed tokens over the EP ranks' mean in one all-to-all, 1..64, from
+    the router's own spread (no placement removes it): the busiest rank's expert GEMMs and all-to-all
+    bytes scale by it on top of the modelled loads ([Note: routing imbalance] in k3sched/balance.py).
+    ``k3sched probe`` measures it on the model at its initial weights; 1: balanced. Left out of
+    plan.json's config when 1."""
 
     @model_serializer(mode="wrap")
     def _drop_unset_routing(self, handler: Any) -> dict[str, Any]:
@@ -108,6 +114,8 @@ class ModelConfig(_Section):
             out.pop("max_route_nodes", None)
         if not self.router_skew:
             out.pop("router_skew", None)
+        if self.routing_imbalance == 1.0:
+            out.pop("routing_imbalance", None)
         return out
 
     @property

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from k3sched.balance import (Placement, balance, contiguous, imbalance, load_factors, placement_for, zipf_shares)
+from k3sched.balance import (Placement, balance, contiguous, imbalance, load_factors, placement_for, routing_imbalance,
+                             zipf_shares)
 from k3sched.config import ConfigError, load_config
 from k3sched.cost import CostModel
 from k3sched.tasks import Kind
@@ -125,6 +126,32 @@ def test_skew_costs_the_busiest_rank_and_replicas_recover_it() -> None:
     assert rep.grad_wire(1).nbytes > flat.grad_wire(1).nbytes
 
 
+def test_routing_imbalance_is_the_mean_busiest_rank_share_per_call() -> None:
+    # two calls over 8 experts on 2 ranks (experts 0-3 | 4-7): 8 vs 8 tokens, then 12 vs 4
+    calls = [[2, 2, 2, 2, 2, 2, 2, 2], [3, 3, 3, 3, 1, 1, 1, 1]]
+    assert routing_imbalance(calls, 2) == pytest.approx((1.0 + 12 / 8) / 2)
+    assert routing_imbalance(calls, 1) == 1.0 and routing_imbalance([], 2) == 1.0
+    assert routing_imbalance([[0] * 8, [2] * 8], 4) == 1.0  # a call that routed nothing does not count
+    # calls that lean opposite ways sum to a balanced step, but each of them waits on its busiest rank
+    assert routing_imbalance([[3, 3, 3, 3, 1, 1, 1, 1], [1, 1, 1, 1, 3, 3, 3, 3]], 2) == pytest.approx(1.5)
+
+
+def test_routing_imbalance_scales_the_busiest_rank_on_top_of_the_modelled_loads() -> None:
+    flat = CostModel(load_config(TINY))
+    noisy = CostModel(load_config(TINY, ["model.routing_imbalance=1.2"]))
+    assert noisy.skew_factors() == pytest.approx((1.2, 1.2))
+    assert noisy.flops(Kind.EXPERT_FWD) == pytest.approx(flat.flops(Kind.EXPERT_FWD) * 1.2)
+    assert noisy.a2a_wire(Kind.COMBINE_FWD).nbytes == pytest.approx(flat.a2a_wire(Kind.COMBINE_FWD).nbytes * 1.2,
+                                                                     rel=1e-5)
+    both = load_factors(load_config(TINY, ["model.router_skew=1.5", "model.routing_imbalance=1.2"]))
+    alone = load_factors(load_config(TINY, ["model.router_skew=1.5"]))
+    assert both == pytest.approx((min(2.0, alone[0] * 1.2), min(2.0, alone[1] * 1.2)))
+    assert load_factors(load_config(TINY, ["model.routing_imbalance=3"])) == (2.0, 2.0)  # one rank gets all
+    assert load_factors(load_config(TINY, ["parallel.ep=1", "model.routing_imbalance=1.5"])) == (1.0, 1.0)
+    assert "routing_imbalance" not in load_config(TINY).to_dict()["model"]  # plan.json as before when unset
+    assert load_config(TINY, ["model.routing_imbalance=1.2"]).to_dict()["model"]["routing_imbalance"] == 1.2
+
+
 def test_config_refusals() -> None:
     with pytest.raises(ConfigError, match="parallel.redundant_experts.*ep"):
         load_config(TINY, ["parallel.ep=1", "parallel.redundant_experts=1"])
@@ -134,6 +161,8 @@ def test_config_refusals() -> None:
         load_config(TINY, ["parallel.redundant_experts=1", "schedule.grad_offload=true"])
     with pytest.raises(ConfigError, match="model.router_skew"):
         load_config(TINY, ["model.router_skew=-1"])
+    with pytest.raises(ConfigError, match="model.routing_imbalance"):
+        load_config(TINY, ["model.routing_imbalance=0.9"])
 
 
 # -- placement files at the front door --------------------------------------------------------------

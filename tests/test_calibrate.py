@@ -98,11 +98,16 @@ TARGETS = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.
            "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"], "half link rate": ["hardware.internode_gbps=0.0125"]}
 
 
-def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(tmp_path):
+@pytest.mark.parametrize("model_extra", [[], ["hardware.comm_cpu_us_per_call=300", "model.routing_imbalance=1.2"]],
+                         ids=["per-byte", "per-call-and-routing-imbalance"])
+def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(tmp_path, model_extra):
     """[Note: calibration] is the inverse of the cost model: the ideal trace of a plan made with a
     known profile (link latency and efficiency per lane, CPU cost per transferred byte) calibrates to
     that profile, and the fitted profile predicts the four targets of the shaped-link test as the
-    known one plans them, within 1%. Deterministic; the measured counterpart is the next test."""
+    known one plans them, within 1%. Also with a CPU cost per call and a routing imbalance in the
+    source's config, which the fit must divide out of what it measured (the expert ops' busiest-rank
+    factor, the calls' share of the compute stretch), not count twice. Deterministic; the measured
+    counterpart is the next test."""
     import json
 
     from k3sched import render
@@ -112,7 +117,7 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     truth = tmp_path / "truth.yaml"
     truth.write_text("format: k3sched.profile/1\nlatency_us: {ep: 700.0, collective: 300.0}\n"
                      "link_efficiency: {ep: 0.6, collective: 0.8}\n")
-    source = SMALL + ["hardware.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"]
+    source = SMALL + ["hardware.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"] + model_extra
     pj = json.loads(render.dumps_plan(plan(load_config(TINY, source))))
     fit = fit_profile(pj, table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0, 1]})))
     assert fit.latency_us == pytest.approx({"ep": 700.0, "collective": 300.0}, rel=1e-3)

@@ -57,7 +57,7 @@ from pathlib import Path
 import yaml
 
 from k3sched.config import ConfigError, config_from_dict
-from k3sched.cost import CostModel, Profile, load_profile
+from k3sched.cost import _EXPERT_KINDS, CostModel, Profile, load_profile
 from k3sched.tasks import Kind
 from traces.join import SEND_OF, TRANSFER_KINDS, RankStages, ranges_by_name, send_of
 
@@ -221,8 +221,10 @@ def _fit_durations(fit: Fit, per_task: list, raw: dict, variable: set[str], mode
             continue  # left to the wire fit / the cost model (optim.run depends on the stage's parameters)
         if kind in variable:
             fit.by_bandwidth.append(kind)
-        else:  # one core's duration: the source config's CPU sharing divided out
+        else:  # one core's duration: the source config's CPU sharing (and busiest-rank factor) divided out
             share = model.share(Kind(kind)) if model is not None else 1.0
+            if model is not None and Kind(kind) in _EXPERT_KINDS:
+                share *= model.skew_factors()[0]  # the cost model scales a profile's expert ops by it again
             fit.durations_us[kind] = statistics.median(cs) / share
     return wired
 

@@ -69,7 +69,8 @@ from .collectives import (  # noqa: F401 - the public parts, as runtime.probe.NA
 from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
-    measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie, time_call,
+    measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie, measure_routing,
+    time_call,
     write_ops_profile)
 
 # -- everything ------------------------------------------------------------------------------------
@@ -98,6 +99,8 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
     ops_us: dict[str, float] = field(default_factory=dict)
     """:func:`measure_ops` (with a config): µs per compute task kind, one core."""
+    routing_imbalance: float = 1.0
+    """:func:`measure_routing` (with a config): the model's ``model.routing_imbalance`` over its EP ranks."""
 
 
 
@@ -133,6 +136,11 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         ops = measure_ops_concurrent(cfg, copies, timeout_s, work_dir)
         rows.append(Row("operator profile", f"{len(ops)} kinds", f"one rank, pp=ep=dp=1, serial, {copies} copies at "
                         "once, median µs per task: " + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))
+        imb = _sig(measure_routing(cfg))
+        if cfg.parallel.ep > 1:
+            rows.append(Row("model.routing_imbalance", f"{imb:.4g}", f"the router at its initial weights, one step at "
+                            f"EP 1: busiest over mean routed tokens of {cfg.parallel.ep} EP ranks per dispatch, mean "
+                            "over the calls ([Note: routing imbalance] in k3sched/balance.py)"))
     hw_base = cfg.hardware if cfg is not None else None
     gpn = hw_base.gpus_per_node if hw_base is not None else (torch.cuda.device_count() if cuda else nproc)
     tb_links = getattr(testbed, "links", None)  # runtime.testbed.Links: the shaped rates
@@ -145,7 +153,8 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
                 "stack" if testbed is not None else "loopback bandwidth is memcpy through the kernel's TCP stack, "
                 "not a wire")
         notes.append(f"CPU: the {nproc} ranks share {os.cpu_count()} core(s); {wire}")
-    return ProbeResult(hardware, rows, coll, gemms, device.type, nproc, testbed is not None, notes, ops)
+    return ProbeResult(hardware, rows, coll, gemms, device.type, nproc, testbed is not None, notes, ops,
+                       imb if cfg is not None else 1.0)
 
 
 def _probe_compute(cfg, device: torch.device, knobs: Knobs, rows: list[Row], hw: dict[str, Any],
@@ -389,6 +398,8 @@ def write_hardware(result: ProbeResult, path: str | Path, config_path: str | Pat
     if config_path is not None and result.ops_us:
         ops = write_ops_profile(result.ops_us, p.with_name(p.stem + ".ops.yaml"))
         overrides = list(overrides or []) + [f"schedule.profile={ops.resolve()}"]
+        if result.routing_imbalance != 1.0:
+            overrides.append(f"model.routing_imbalance={result.routing_imbalance:.4g}")
     text = hardware_yaml(result, config_path, overrides)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)

@@ -356,6 +356,42 @@ def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
     return {k: _sig(statistics.median(v)) for k, v in sorted(spans.items())}
 
 
+def measure_routing(cfg, steps: int = 1) -> float:
+    """The model's routing imbalance over the config's EP ranks ([Note: routing imbalance] in
+    k3sched/balance.py): one in-process step of the same model at pp = ep = dp = 1 (the operator
+    profile's layout, the config's seed and data), recording each dispatch's tokens per expert;
+    the mean over the calls of max over mean per EP rank on the contiguous placement. 1.0 at
+    ``parallel.ep`` 1 or without MoE layers."""
+    from k3sched.balance import routing_imbalance
+    from k3sched.config import config_from_dict
+
+    from runtime.local import local_run
+
+    ep = cfg.parallel.ep
+    if ep <= 1 or not cfg.model.experts:
+        return 1.0
+    data = cfg.to_dict()
+    data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": None,
+                        "layer_split": "even", "redundant_experts": 0}
+    data["schedule"] = {**data["schedule"], "pipeline": "1f1b", "offload": "none", "profile": None,
+                        "device_memory_budget": 1 << 20, "grad_offload": False, "remote_offload": False,
+                        "expert_placement": None}
+    calls: list[list[int]] = []
+
+    def record(runner) -> None:
+        for block in runner.model.layers:
+            if getattr(block, "is_moe", False):
+                def dispatch_fwd(lc, group, _orig=block.dispatch_fwd, _block=block):
+                    before = _block.routed_E.clone()
+                    _orig(lc, group)
+                    calls.append((_block.routed_E - before).tolist())
+                block.dispatch_fwd = dispatch_fwd
+
+    with _one_thread():
+        local_run(config_from_dict(data), steps, strategy="serial", setup=record)
+    return routing_imbalance(calls, ep)
+
+
 def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir: str | Path | None = None
                            ) -> dict[str, float]:
     """:func:`measure_ops` in ``copies`` processes at once (the ranks that share this node's
