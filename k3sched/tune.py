@@ -4,7 +4,10 @@
 [Note: tune search] The knobs: the pipeline schedule with its vpp, the micro-batch size and count
 (their product, the sequences of one step, stays fixed), ``warmup_extra`` (interleaved 1F1B),
 activation offload (none / local ``auto`` / ``remote``), ``recompute``, FP8 activation storage
-(``act_quant``), ``dispatch_recompute``, ``wgrad_lag``, ``lookahead`` and ``grad_offload``. Their
+(``act_quant``), ``dispatch_recompute``, ``wgrad_lag``, ``lookahead``, ``grad_offload`` and the
+sequence slices of Seq1F1B (``parallel.seq_chunks``: a slice's all-to-alls hide under the next
+slice's compute, which the pipeline fill otherwise leaves exposed, and a slice holds a fraction of
+a micro-batch's activations). Their
 product is far too large to plan exhaustively (a K2-like plan takes seconds), so the search goes
 coarse to fine:
 
@@ -55,6 +58,7 @@ NO_LIMIT_GIB = float(1 << 20)
 _VPP1 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 1)  # [Note: schedule registry]
 _VPP2 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 2)
 _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("parallel.seq_chunks", (1, 2, 4)),
     ("schedule.offload", ("none", "auto", "remote")),
     ("schedule.recompute", (False, True)),
     ("schedule.act_quant", ("none", "fp8")),
@@ -62,7 +66,7 @@ _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("schedule.dispatch_recompute", (False, True)),
     ("schedule.warmup_extra", (0, 1, 2, 4)),
     ("schedule.lookahead", (0, 1, 2)),
-    ("schedule.wgrad_lag", (0, 2, 4, 8)),
+    ("schedule.wgrad_lag", (0, 2, 4, 8, 16, 32, 64)),
 )
 """The fine knobs, in the order coordinate descent visits them ([Note: tune search])."""
 LEAN = {"schedule.offload": "auto", "schedule.recompute": True, "schedule.act_quant": "fp8",
@@ -71,7 +75,7 @@ LEAN = {"schedule.offload": "auto", "schedule.recompute": True, "schedule.act_qu
 MEGATRON = {"schedule.offload": "none", "schedule.remote_offload": False, "schedule.recompute": False,
             "schedule.act_quant": "none", "schedule.dispatch_recompute": False, "schedule.grad_offload": False,
             "schedule.warmup_extra": 0, "schedule.wgrad_lag": 0, "schedule.lookahead": 0,
-            "schedule.strategy": "k3"}
+            "schedule.strategy": "k3", "parallel.seq_chunks": 1}
 
 
 @dataclass
