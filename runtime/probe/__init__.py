@@ -36,6 +36,13 @@ of the config's ``hardware`` section (:class:`k3sched.config.HardwareConfig`, un
   machine (one node, loopback): both the NVLink and the inter-node fields get the loopback numbers.
   In the shaped-link testbed (``testbed=``, ``runtime/testbed.py``) the ranks of one emulated node
   (rank // gpus_per_node) give the NVLink fields and one rank per node the inter-node fields.
+- ``comm_cpu_ns_per_byte`` / ``comm_cpu_us_per_call`` (CPU only): what concurrent all-to-alls cost
+  a computing thread of the same rank, per byte sent and received and per call ([Note: what a call
+  costs a computing thread] in ``runtime/probe/collectives.py``); without that measurement, rank
+  0's process CPU time per byte in the largest all-to-alls.
+- With a config: the operator profile ([Note: operator profile] in ``inprocess.py``) and
+  ``model.routing_imbalance``, the router's busiest over mean EP rank per dispatch at its initial
+  weights (:func:`measure_routing`, [Note: routing imbalance] in ``k3sched/balance.py``).
 
 What the numbers do not show: on CPU the ranks share the machine's cores with each other and with
 their lane threads; loopback "bandwidth" is the CPU's memcpy through the kernel's TCP stack, not a
