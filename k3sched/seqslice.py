@@ -145,8 +145,27 @@ def seq1f1b(base: Schedule, chunks: int) -> Schedule:
     backward (:func:`unit_of`). Each rank keeps its forward order and its backward order and
     moves every backward action S-1 forwards later (the warm-up of S-1 more slices, as the
     Seq1F1B paper does for 1F1B), or further where the backbone needs it: a backward of
-    micro-batch m waits until the rank has run the forward of m's last slice."""
-    out: dict[int, list] = {}
+    micro-batch m waits until the rank has run the forward of m's last slice.
+
+    [Note: one Seq1F1B shift for every rank] The shift a rank needs depends on where its
+    backwards sit, and on the V schedules (zb-v, v-half) ranks need different shifts. A rank that
+    moves its backwards further than its neighbour then runs forwards of the V's second leg before a
+    backward its neighbour waits on, and the backbone deadlocks (zb-v, 4 slices, pp 4, 8 or 16; v-half
+    at pp 8 and 16). When the per-rank shifts give an invalid backbone, every rank takes the largest
+    shift: a longer warm-up, and valid in every case checked (tests/test_seq_slices.py). Backbones that
+    are valid with their own shifts (every 1F1B, interleaved and ZB-H case, zb-v with 2 slices) are kept as
+    they were."""
+    from .schedules import validate
+
+    out = _shifted(base, chunks, uniform=False)
+    if validate(out):
+        out = _shifted(base, chunks, uniform=True)
+    return out
+
+
+def _shifted(base: Schedule, chunks: int, *, uniform: bool) -> Schedule:
+    """:func:`seq1f1b` with each rank's own backward shift, or with the largest one on every rank."""
+    ranks: dict[int, tuple[list, list, int]] = {}
     for r, slots in base.ranks.items():
         fwd = [a for a in slots if a.op == "F"]
         at = {(a.vstage, a.mb): i for i, a in enumerate(fwd)}
@@ -160,7 +179,11 @@ def seq1f1b(base: Schedule, chunks: int) -> Schedule:
             else:
                 bwd.append((n, a))
         need = max((at[(a.vstage, a.mb // chunks * chunks + chunks - 1)] + 1 - k for k, a in bwd), default=0)
-        shift = max(chunks - 1, need)
+        ranks[r] = (fwd, bwd, max(chunks - 1, need))
+    widest = max((v[2] for v in ranks.values()), default=0)
+    out: dict[int, list] = {}
+    for r, (fwd, bwd, shift) in ranks.items():
+        shift = widest if uniform else shift
         order: list = []
         i = 0
         for k, a in bwd:
