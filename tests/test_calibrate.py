@@ -41,6 +41,17 @@ def test_fit_recovers_lane_durations_of_an_ideal_trace():
     assert fit.bandwidth_gbps["ep"] == pytest.approx((1 << 22) / 40.0 / 1e3)
 
 
+def test_a_kind_costs_its_mean_not_its_median():
+    """[Note: mean, not median]: a step adds task durations, so a right-skewed kind is charged its mean."""
+    plan, _ = _synthetic()
+    events = synth.trace_from_plan(plan, rank_of_stage={0: [0, 1], 1: [2, 3]})
+    slow = [e for e in events if e.get("ph") == "X" and e["name"].endswith("attn.fwd")]
+    slow[0]["dur"] *= 4  # one of the 8 attn.fwd instances preempted: 400 us instead of 100
+    fit = fit_profile(plan, table_from_runtime(events))
+    assert fit.durations_us["attn.fwd"] == pytest.approx((7 * 100.0 + 400.0) / 8)
+    assert fit.durations_us["expert.fwd"] == pytest.approx(100.0)
+
+
 def test_receive_cost_excludes_waiting_for_the_send_and_collective_cost_carries_the_typical_wait():
     plan, _ = _synthetic()
     ev = synth.trace_from_plan(plan, rank_of_stage={0: [0, 1], 1: [2, 3]})

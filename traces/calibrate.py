@@ -20,8 +20,8 @@ by task id. What a task *costs* is not always its measured span:
   ([Note: trace join] in traces/join.py); a send's cost is its own span.
 
 These need comparable clocks across ranks: one host (runtime traces are aligned to one t0, nsys
-records one clock). ``durations_us[kind]`` is the median cost over a kind's instances, for every
-kind whose tasks all move the same bytes. Kinds whose payload varies between tasks (``grad.rs`` of
+records one clock). ``durations_us[kind]`` is the mean cost over a kind's instances, for every
+kind whose tasks all move the same bytes ([Note: mean, not median]). Kinds whose payload varies between tasks (``grad.rs`` of
 dense vs MoE layers, offload copies of different activation sets) get no per-kind duration: their
 lane's ``bandwidth_gbps`` carries them, fitted so the cost model's own formula (fixed part =
 launch + latency at infinite bandwidth, plus bytes / bandwidth) matches: bw = sum(bytes) /
@@ -30,7 +30,7 @@ variable kinds when there are some, else from all of them) so the profile also d
 ``saved_bytes`` of the plan's own profile (``schedule.profile``) are kept.
 
 What transfers to other configs. Compute and local-copy kinds get per-kind durations on one core:
-the median cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
+the mean cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
 so a config with more or fewer ranks per node is charged its own sharing. Communication kinds
 (all-to-alls, P2P receives, gradient reductions, remote offload) get no per-kind duration: per
 lane, a least-squares fit of cost - overhead = steps x latency + (bytes / link rate) / efficiency
@@ -40,6 +40,16 @@ the modeled rate. optim.run is left to the cost model (it depends on the stage's
 No factor is fitted to the source run's step time: the residual on that run is reported beside,
 and predictions for other configs are checked by running them (tests/test_calibrate.py,
 benchmarks/bench_overlap.py).
+
+[Note: mean, not median] A step is a sum of task durations along its paths, and the expected
+value of a sum is the sum of the means. On a shared CPU a kind's costs are skewed to the right
+(an op that a transfer's wake-ups or another process preempted runs 2-3x its usual time), so
+their median sits below their mean and a profile of medians predicts every step short, its own
+source run included. On the shaped-link testbed (bench_overlap's EP-bound source, three runs)
+medians left the source run +8.8 to +10.7% slower than its re-plan and got 9 of 12 target
+predictions within 10%; means +5.9 to +7.7% and 10 of 12. The cost of a mean: one outlier moves
+its kind (a 100 ms stall among 96 samples of 10 ms adds 10%), which is also what such a stall does
+to the steps it falls in; the first step (warm-up) is dropped before either.
 
 Calibration lives in ``traces`` because it reads traces and writes what the planner reads: it
 imports the cost model, the config and the planner from ``k3sched``, and nothing in ``k3sched``
@@ -225,7 +235,7 @@ def _fit_durations(fit: Fit, per_task: list, raw: dict, variable: set[str], mode
             share = model.share(Kind(kind)) if model is not None else 1.0
             if model is not None and Kind(kind) in _EXPERT_KINDS:
                 share *= model.skew_factors()[0]  # the cost model scales a profile's expert ops by it again
-            fit.durations_us[kind] = statistics.median(cs) / share
+            fit.durations_us[kind] = statistics.fmean(cs) / share
     return wired
 
 
@@ -405,7 +415,7 @@ def _plan_profile(plan: dict, field_name: str) -> dict:
 def write_profile(fit: Fit, path: str | Path, source: str = "") -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    head = ("# k3sched measured profile (k3sched calibrate): per-kind durations (us per task, median of the\n"
+    head = ("# k3sched measured profile (k3sched calibrate): per-kind durations (us per task, mean of the\n"
             "# measured cost) and per-lane bandwidths (GB/s); plan with --set schedule.profile=THIS_FILE\n")
     p.write_text(head + yaml.safe_dump(fit.to_yaml_doc(source), sort_keys=False))
     return p
