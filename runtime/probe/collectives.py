@@ -135,6 +135,16 @@ def link_numbers(fits: dict[str, Fit]) -> tuple[float, float]:
 
 # -- the per-rank worker (``python -m runtime.probe worker``, started by torchrun) --------------------
 
+def _agreed(value: float, group, device: torch.device) -> float:
+    """The largest ``value`` over the ranks of ``group``: every rank then loops the same
+    count, or a time is the slowest rank's (on the device: NCCL reduces GPU tensors)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
 def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], reps: int, min_s: float,
                     device: torch.device) -> dict[str, list[dict]]:
     import torch.distributed as dist
@@ -169,9 +179,8 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
             t0 = time.perf_counter()
             call()
             sync()
-            one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)  # NCCL: on the GPU
-            dist.all_reduce(one, op=dist.ReduceOp.MAX, group=group)  # every rank loops the same count
-            iters = int(min(1000, max(1, math.ceil(min_s / max(one.item(), 1e-9)))))
+            one = _agreed(time.perf_counter() - t0, group, device)  # every rank loops the same count
+            iters = int(min(1000, max(1, math.ceil(min_s / max(one, 1e-9)))))
             samples, cpu = [], []
             for _ in range(reps):
                 dist.barrier(group=group)
@@ -180,9 +189,7 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
                     call()
                 sync()
                 cpu.append((time.process_time() - c0) / iters)
-                dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank
-                samples.append(dt.item())
+                samples.append(_agreed((time.perf_counter() - t0) / iters, group, device))  # the slowest rank
             t = statistics.median(samples)
             nbytes = numel * 4
             rows.append({"bytes": nbytes, "time_us": t * 1e6, "algbw_gbps": nbytes / t / 1e9,
@@ -194,15 +201,6 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
 
 CONTENDED_SIZES = (16 * KiB, 256 * KiB, 1 * MiB)
 """All-to-all sizes of the contended measurement ([Note: what a call costs a computing thread])."""
-
-
-def _agreed(value: float, group, device: torch.device) -> float:
-    """The largest ``value`` over the ranks of ``group``: every rank then loops the same count."""
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
 
 
 def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], window_s: float, reps: int,

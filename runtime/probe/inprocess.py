@@ -133,15 +133,14 @@ class Knobs:
     coll_sizes: tuple[int, ...] = COLL_SIZES
     coll_reps: int = 5
     coll_min_s: float = 0.005
-    contended_s: float = 0.5  # GEMM loop per sample of the contended measurement (CPU)
+    contended_s: float = 0.5  # GEMM loop per sample of the contended measurement (CPU; quick too)
 
     @classmethod
     def of(cls, quick: bool) -> Knobs:
         if not quick:
             return cls()
         return cls(reps=3, min_s=0.002, gemm_target_s=0.005, hbm_bytes_cpu=32 * MiB, hbm_bytes_cuda=256 * MiB,
-                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002,
-                   contended_s=0.5)
+                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002)
 
 
 # -- compute ---------------------------------------------------------------------------------------
@@ -324,6 +323,21 @@ def measure_adamw(device: torch.device, knobs: Knobs | None = None, numel: int =
     return t * 1e9 / numel
 
 
+def _one_rank(cfg, *, parallel: dict | None = None, schedule: dict | None = None):
+    """``cfg`` at pp = ep = dp = 1, serial-friendly 1F1B without offload, profile or budget: the
+    one-rank layout of the operator profile and the routing measurement (``parallel`` and
+    ``schedule``: further fields to set)."""
+    from k3sched.config import config_from_dict
+
+    data = cfg.to_dict()
+    data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": None,
+                        "layer_split": "even", **(parallel or {})}
+    data["schedule"] = {**data["schedule"], "pipeline": "1f1b", "offload": "none", "profile": None,
+                        "device_memory_budget": 1 << 20, "grad_offload": False, "remote_offload": False,
+                        **(schedule or {})}
+    return config_from_dict(data)
+
+
 def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
     """[Note: operator profile] Median duration (µs, one core, one rank) of each compute task kind
     of the config's model at its shapes: an in-process step of the same model with pp = ep = dp = 1
@@ -333,19 +347,12 @@ def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
     guessed. The EP kinds at ep 1 move nothing: their time is the host-side work of a dispatch or
     combine (routing bookkeeping, permutes), the profile's ``overhead_us``. Not measured: anything of the target layout (ranks, links); that is what
     ``k3sched calibrate`` fits from a run."""
-    from k3sched.config import config_from_dict
     from k3sched.tasks import LANE_OF, Kind, parse_task_id
 
     from runtime.local import local_run
 
-    data = cfg.to_dict()
-    data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": None,
-                        "layer_split": "even"}
-    data["schedule"] = {**data["schedule"], "pipeline": "1f1b", "offload": "none", "profile": None,
-                        "device_memory_budget": 1 << 20, "grad_offload": False, "remote_offload": False}
-    one = config_from_dict(data)
     with _one_thread():
-        run = local_run(one, steps, strategy="serial")
+        run = local_run(_one_rank(cfg), steps, strategy="serial")
     spans: dict[str, list[float]] = {}
     for trace in run.traces[1:] or run.traces:
         for e in trace["traceEvents"]:
@@ -363,19 +370,12 @@ def measure_routing(cfg, steps: int = 1) -> float:
     the mean over the calls of max over mean per EP rank on the contiguous placement. 1.0 at
     ``parallel.ep`` 1 or without MoE layers."""
     from k3sched.balance import routing_imbalance
-    from k3sched.config import config_from_dict
 
     from runtime.local import local_run
 
     ep = cfg.parallel.ep
     if ep <= 1 or not cfg.model.experts:
         return 1.0
-    data = cfg.to_dict()
-    data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "dp": 1, "world_size": None,
-                        "layer_split": "even", "redundant_experts": 0}
-    data["schedule"] = {**data["schedule"], "pipeline": "1f1b", "offload": "none", "profile": None,
-                        "device_memory_budget": 1 << 20, "grad_offload": False, "remote_offload": False,
-                        "expert_placement": None}
     calls: list[list[int]] = []
 
     def record(runner) -> None:
@@ -388,7 +388,8 @@ def measure_routing(cfg, steps: int = 1) -> float:
                 block.dispatch_fwd = dispatch_fwd
 
     with _one_thread():
-        local_run(config_from_dict(data), steps, strategy="serial", setup=record)
+        local_run(_one_rank(cfg, parallel={"redundant_experts": 0}, schedule={"expert_placement": None}), steps,
+                  strategy="serial", setup=record)
     return routing_imbalance(calls, ep)
 
 
