@@ -80,7 +80,7 @@ def backbone(cfg: Config) -> "schedules.Schedule":
     if p.seq_chunks > 1:  # Seq1F1B over M*S slice units ([Note: sequence slices] in k3sched/seqslice.py)
         base = schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches * p.seq_chunks,
                                   warmup_extra=extra)
-        return schedules.check(seq1f1b(base, p.seq_chunks))
+        return seq1f1b(base, p.seq_chunks)  # checked there
     return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
 
 

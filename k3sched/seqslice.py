@@ -154,12 +154,13 @@ def seq1f1b(base: Schedule, chunks: int) -> Schedule:
     at pp 8 and 16). When the per-rank shifts give an invalid backbone, every rank takes the largest
     shift: a longer warm-up, and valid in every case checked (tests/test_seq_slices.py). Backbones that
     are valid with their own shifts (every 1F1B, interleaved and ZB-H case, zb-v with 2 slices) are kept as
-    they were."""
-    from .schedules import validate
+    they were. Returns a valid backbone (checked once) or raises ValueError as
+    :func:`k3sched.schedules.check` does."""
+    from .schedules import check, validate
 
     out = _shifted(base, chunks, uniform=False)
     if validate(out):
-        out = _shifted(base, chunks, uniform=True)
+        out = check(_shifted(base, chunks, uniform=True))
     return out
 
 
