@@ -243,6 +243,42 @@ def test_balanced_layer_split_leaves_room_for_the_head():
     assert cost(got) == best
 
 
+def test_balanced_split_gives_the_first_vstage_the_fewest_layers_that_keep_the_largest():
+    """[Note: a light first vstage]: among the min-max splits, group 0 holds the fewest items, at
+    least one; brute force over every split of small cases, and K2-like's split."""
+    import itertools
+    import random
+
+    from k3sched.graph import _min_max_split, split_layers
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n, parts = rng.randint(2, 7), rng.randint(2, 4)
+        w = [float(rng.choice([1, 1, 2, 3])) for _ in range(n)]
+        fe, le = float(rng.choice([0, 1, 2])), float(rng.choice([0, 1, 4]))
+
+        def cost(s):
+            return max(sum(w[i] for i in g) + (fe if k == 0 else 0) + (le if k == parts - 1 else 0)
+                       for k, g in enumerate(s))
+
+        splits = []
+        for cuts in itertools.combinations(range(n + 1), parts - 1):
+            b = (0, *cuts, n)
+            s = [range(b[k], b[k + 1]) for k in range(parts)]
+            if all(len(g) for g in s[1:-1]):  # inner groups hold at least one item
+                splits.append(s)
+        best = min(cost(s) for s in splits)
+        got = _min_max_split(w, parts, first_extra=fe, last_extra=le)
+        assert [i for g in got for i in g] == list(range(n)) and cost(got) == best
+        firsts = [len(s[0]) for s in splits if cost(s) == best]
+        if len(got[0]):  # non-empty group 0: the smallest non-empty one any optimal split has
+            assert len(got[0]) == min(f for f in firsts if f)
+        else:  # the plain DP's empty group 0 is kept
+            assert 0 in firsts
+    k2 = split_layers(load_config(CONFIGS / "k2-like.yaml"))
+    assert [len(p) for p in k2] == [1] + [2] * 30 + [0]
+
+
 def test_lower_bound_is_jackson_preemptive_bound():
     from k3sched.metrics import _jackson_preemptive
 
