@@ -281,6 +281,13 @@ class ScheduleConfig(_Section):
     combine and the dispatch's backward stay in the model dtype. Left out of plan.json when false."""
     grad_offload: bool = False
     """K3 Pipeline ZeRO-2: fp32 gradient shards in host memory, two chunk buffers on device."""
+    layer_optim: bool = False
+    """Step each layer's parameters as soon as its gradients are reduced: one
+    ``s{s}/v{c}/L{l}/optim.run`` per layer, on the compute lane beside the reduction of the layers
+    after it; the stage's ``optim.run`` then steps only the embedding, head and final norm (their
+    reduction included) and runs last ([Note: per-layer optimizer] in k3sched/graph.py). Not with
+    ``grad_offload``, pipedream-2bw or the two-copy schedules (dualpipe, chimera). Left out of
+    plan.json when false."""
     grad_bucket_mb: float = _float(0.001, 1e6, open_low=False, default=256.0)
     """DP reduce-scatter bucket size, MiB, 0.001 (about 1 KiB)..1e6: one collective-lane task per bucket
     (the buckets count towards ``max_tasks``)."""
@@ -319,6 +326,8 @@ class ScheduleConfig(_Section):
             out.pop("max_tasks", None)
         if not self.fp8_dispatch:
             out.pop("fp8_dispatch", None)
+        if not self.layer_optim:
+            out.pop("layer_optim", None)
         if self.expert_placement is None:
             out.pop("expert_placement", None)
         if not self.storage:
@@ -383,6 +392,15 @@ class Config(_Section):
         if (p.redundant_experts or self.schedule.expert_placement) and self.schedule.grad_offload:
             raise ValueError("schedule.grad_offload: not supported with redundant experts or an expert placement "
                              "(the host gradient shards do not sum replicas); set one of them off")
+        if self.schedule.layer_optim:
+            entry = PIPELINE_TABLE[self.schedule.pipeline]
+            why = ("schedule.grad_offload (the host shards are stepped together)" if self.schedule.grad_offload else
+                   f"schedule.pipeline {self.schedule.pipeline} (two weight versions)" if entry.steps > 1 else
+                   f"schedule.pipeline {self.schedule.pipeline} (two model copies, reduced together)"
+                   if entry.copies == 2 else None)
+            if why:
+                raise ValueError(f"schedule.layer_optim: not with {why}; allowed: layer_optim with plain "
+                                 f"gradients on a one-copy, one-version pipeline")
         if m.dense_layers > m.layers:
             raise ValueError(f"model.dense_layers: must be at most model.layers ({m.layers}); got {m.dense_layers}")
         if p.world_size is not None and p.world_size != p.world:

@@ -608,6 +608,7 @@ class _Builder:
         p = cfg.parallel
         reduce = p.ep * p.dp > 1
         optim_deps: dict[int, list[str]] = {}
+        stepped: dict[int, int] = {}  # parameters of the stage its per-layer optimizers step
         for v in range(self.nv):
             stage = self._rank[v]
             for L in self.layers[v]:
@@ -636,11 +637,15 @@ class _Builder:
                         prev_off = last = self.add(Kind.GSHARD_OFFLOAD, v, "W", m, layer=L, deps=[add],
                                                    nbytes=shard, free=Mem(device=shard))
                     optim_deps.setdefault(stage, []).append(last)
-                elif reduce:
-                    deps = [w for m in mbs_of(v) for w in self.wgrads[(m, L)]]
-                    optim_deps.setdefault(stage, []).extend(self.grad_rs(v, last_mb, L, deps))
                 else:
-                    optim_deps.setdefault(stage, []).extend(w for m in mbs_of(v) for w in self.wgrads[(m, L)])
+                    deps = [w for m in mbs_of(v) for w in self.wgrads[(m, L)]]
+                    if reduce:
+                        deps = self.grad_rs(v, last_mb, L, deps)
+                    if cfg.schedule.layer_optim:  # [Note: per-layer optimizer]
+                        n = sum(cost.layer_params(L))
+                        deps = [self.add(Kind.OPTIM, v, "W", None, layer=L, deps=deps, duration=cost.optim_us(n, 0))]
+                        stepped[stage] = stepped.get(stage, 0) + n
+                    optim_deps.setdefault(stage, []).extend(deps)
         for s in range(p.pp):
             deps = optim_deps.get(s, [])
             mine = [u for u in range(self.nv) if self._rank[u] == s]
@@ -656,10 +661,26 @@ class _Builder:
             if self.bidir:
                 deps = [self.mirror(s, deps, params)]
             self.tasks[tid] = Task(tid, Kind.OPTIM, LANE_OF[Kind.OPTIM], s, 0, None, None,
-                                   duration_us=self.dur(Kind.OPTIM) + cost.optim_us(params, nonlayer), deps=deps)
+                                   duration_us=self.dur(Kind.OPTIM) + cost.optim_us(params - stepped.get(s, 0), nonlayer),
+                                   deps=deps)
             # pipedream-2bw: step 0's optimizer ranks with the stage's last backward of the step
             self.unit[tid] = (self.nv, "W", 1 << 30) if last_mb is None or step == self.steps - 1 else (mine[0], "W", last_mb)
             self.topo[tid] = len(self.topo)
+
+    # [Note: per-layer optimizer]
+    # With ``schedule.layer_optim`` each layer's AdamW step is a task of its own,
+    # ``s{s}/v{c}/L{l}/optim.run`` (the per-step, per-layer scope of [Note: task id grammar]), after
+    # the layer's reduction (or its last WGrad without DP), costed as AdamW over the layer's
+    # parameters (``CostModel.optim_us(n, 0)``). The gradient reduction of a stage ends after its
+    # last backward (every micro-batch's WGrad of a layer precedes the layer's reduction), so on the
+    # plain path the whole stage's AdamW waits for the last bucket of the last layer; per layer, all
+    # but the last layer's step run beside the reductions after theirs. The stage's own optim.run
+    # keeps the embedding, head and final norm (their all-reduce over the optim group included) and
+    # waits for the per-layer steps, so it stays the stage's last task. AdamW is elementwise per
+    # parameter, so the steps compute what one step over all of them does (the runtime steps one
+    # param group per layer, runtime/stage/optimizer.py; tests/test_layer_optim.py compares).
+    # K2-like, tuned knobs (README tune row): the middle stages' 44 ms optimizer tail shrinks to the
+    # last layer's ~11 ms.
 
     def mirror(self, s: int, deps: list[str], params: int) -> str:
         """Chimera / DualPipe: ``s{s}/step/grad.mirror``, the all-reduce of stage ``s``'s gradients

@@ -8,7 +8,8 @@ range names, recorded traces and validation reports. Grammar (EBNF)::
     stage    = "s" INT                       PP rank (physical stage)
     scope    = mb "/" "L" INT                per micro-batch, per layer  (L: global layer index)
              | mb "/" "v" INT                per micro-batch, per virtual chunk (P2P, embed, head)
-             | "v" INT "/" "L" INT           per step, per layer (gradient reduction w/o sharding)
+             | "v" INT "/" "L" INT           per step, per layer (gradient reduction w/o sharding;
+                                             optim.run with ``schedule.layer_optim``)
              | "step" [ INT ]                per step (optimizer); "stepN" (N >= 1): step N of a
                                              plan that spans several steps ([Note: pipedream-2bw])
     mb       = "mb" INT [ "q" INT ]          micro-batch, and its sequence slice when
@@ -20,7 +21,8 @@ range names, recorded traces and validation reports. Grammar (EBNF)::
 Examples: ``s0/mb3/L5/attn.fwd``, ``s1/mb0/L7/expert.dw``, ``s0/mb2/v0/act.send``, ``s0/step/grad.mirror``
 (chimera / dualpipe: the all-reduce with the rank holding the other model copy of the same stages,
 [Note: replica gradient reduction] in runtime/stage/gradients.py),
-``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs.b0``, ``s0/step/optim.run``, ``s1/mb2q3/L4/attn.fwd``
+``s2/mb1/L9/act.roffload``, ``s3/v1/L12/grad.rs.b0``, ``s0/step/optim.run``, ``s3/v1/L12/optim.run``
+(layer 12's AdamW step, [Note: per-layer optimizer] in k3sched/graph.py), ``s1/mb2q3/L4/attn.fwd``
 (slice 3 of micro-batch 2), ``s0/step1/optim.run`` (the optimizer of the second step of a
 ``pipedream-2bw`` plan, whose second step's micro-batches are numbered M..2M-1; [Note:
 pipedream-2bw] in k3sched/schedule_generators.py). An id names a slice only when the plan cuts micro-batches into

@@ -4,12 +4,12 @@
 [Note: tune search] The knobs: the pipeline schedule with its vpp, the micro-batch size and count
 (their product, the sequences of one step, stays fixed), ``warmup_extra`` (interleaved 1F1B),
 activation offload (none / local ``auto`` / ``remote``), ``recompute``, FP8 activation storage
-(``act_quant``), ``dispatch_recompute``, ``wgrad_lag``, ``lookahead``, ``grad_offload`` and the
-sequence slices of Seq1F1B (``parallel.seq_chunks``: a slice's all-to-alls hide under the next
-slice's compute, which the pipeline fill otherwise leaves exposed, and a slice holds a fraction of
-a micro-batch's activations). Their
-product is far too large to plan exhaustively (a K2-like plan takes seconds), so the search goes
-coarse to fine:
+(``act_quant``), ``dispatch_recompute``, ``wgrad_lag``, ``lookahead``, ``grad_offload``, the
+per-layer optimizer step (``layer_optim``) and the sequence slices of Seq1F1B
+(``parallel.seq_chunks``: a slice's all-to-alls hide under the next slice's compute, which the
+pipeline fill otherwise leaves exposed, and a slice holds a fraction of a micro-batch's
+activations). Their product is far too large to plan exhaustively (a K2-like plan takes
+seconds), so the search goes coarse to fine:
 
 1. *coarse*: every shape (schedule, vpp, micro-batching) the config supports, each with the
    config's own memory settings and with a lean preset (local offload, recompute, FP8 storage,
@@ -31,9 +31,10 @@ abandoned), keeping time to re-plan and write the best.
 
 The comparison point, "what a Megatron user runs by default": interleaved 1F1B (the config's vpp,
 at least 2), the config's micro-batching, no offload, no recompute, no FP8 storage, no dispatch
-recompute, gradients on the device, no extra warm-up, dX and dW back to back (``wgrad_lag`` 0) and
-no look-ahead, on the k3 lanes (EP and collectives on their own streams). It is planned without a
-memory limit, so its step time is known even when it does not fit.
+recompute, gradients on the device and stepped together, no extra warm-up, dX and dW back to
+back (``wgrad_lag`` 0) and no look-ahead, on the k3 lanes (EP and collectives on their own
+streams). It is planned without a memory limit, so its step time is known even when it does not
+fit.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("schedule.recompute", (False, True)),
     ("schedule.act_quant", ("none", "fp8")),
     ("schedule.grad_offload", (False, True)),
+    ("schedule.layer_optim", (False, True)),
     ("schedule.dispatch_recompute", (False, True)),
     ("schedule.warmup_extra", (0, 1, 2, 4)),
     ("schedule.lookahead", (0, 1, 2)),
@@ -74,8 +76,8 @@ LEAN = {"schedule.offload": "auto", "schedule.recompute": True, "schedule.act_qu
 """Memory savers of the coarse phase's second try of each shape."""
 MEGATRON = {"schedule.offload": "none", "schedule.remote_offload": False, "schedule.recompute": False,
             "schedule.act_quant": "none", "schedule.dispatch_recompute": False, "schedule.grad_offload": False,
-            "schedule.warmup_extra": 0, "schedule.wgrad_lag": 0, "schedule.lookahead": 0,
-            "schedule.strategy": "k3", "parallel.seq_chunks": 1}
+            "schedule.layer_optim": False, "schedule.warmup_extra": 0, "schedule.wgrad_lag": 0,
+            "schedule.lookahead": 0, "schedule.strategy": "k3", "parallel.seq_chunks": 1}
 
 
 @dataclass

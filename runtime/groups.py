@@ -250,7 +250,7 @@ def group_orders(lanes: Mapping[str, list[PlanTask]]) -> dict[str, list[list]]:
     """The ordered communication of each equal-order group: what every rank of it must agree on."""
     ep = [_sig(t) for t in lanes["ep"]]
     rs = [_sig(t) for t in lanes["collective"] if t.kind is Kind.GRAD_RS]
-    optim = [_sig(t) for t in lanes["compute"] if t.kind is Kind.OPTIM]
+    optim = [_sig(t) for t in lanes["compute"] if t.kind is Kind.OPTIM and t.layer is None]  # per-layer: no comm
     mirror = [_sig(t) for t in lanes["collective"] if t.kind is Kind.GRAD_MIRROR]
     return {"ep": ep, "dense": rs, "expert": rs, "optim": optim, "optim_expert": optim, "mirror": mirror}
 

@@ -81,6 +81,14 @@ def test_checkpoint_loads_into_another_layout(straight, three, tmp_path):
     assert s["losses"] == pytest.approx(straight[3:], abs=1e-5, rel=0)
 
 
+def test_per_layer_optimizer_resumes_a_plain_checkpoint_bitwise(straight, three, tmp_path):
+    """``schedule.layer_optim`` (a param group per layer, each stepped after its reduction) resumes
+    the plain optimizer's checkpoint, named per parameter, and computes bitwise what it does."""
+    assert _run(tmp_path, 6, ["schedule.layer_optim=true"], resume=str(three / "checkpoints" / "step_3")) == 0
+    s = _summary(tmp_path)
+    assert s["first_step"] == 3 and s["losses"] == straight[3:], (s["losses"], straight)
+
+
 def test_resume_is_bitwise_with_grad_offload_and_fp8_activations(tmp_path):
     """Host fp32 parameter shards and their AdamW state (grad_offload) and FP8 activation storage,
     in one run (each launch costs ~20 s of start-up here)."""

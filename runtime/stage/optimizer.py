@@ -10,7 +10,13 @@ so no two tasks swap at once; what a forward saves for its backward was made fro
 refers to, its own version's buffers). The optimizer of the plan's step k copies the newest version
 (``[1 - k]``) over version k, whose last user on this stage has finished, and steps AdamW on it with
 step k's gradient: W_{t+1} = AdamW(W_t, grad L_t(W_{t-1})) lands in ``[0]``, W_{t+2} in ``[1]``, so
-the next run of the plan finds its two versions in place."""
+the next run of the plan finds its two versions in place.
+
+With ``schedule.layer_optim`` ([Note: per-layer optimizer] in k3sched/graph.py) the one AdamW holds
+a param group per layer (``"layer": L``) and one for the rest; ``s{s}/v{c}/L{l}/optim.run`` steps
+layer L's group alone (:func:`step_groups`) and drops its gradients, and the stage's optim.run
+steps the rest. AdamW is elementwise per parameter, so this computes what one step over all of them
+does; the checkpoint names state by parameter, so either layout resumes the other's."""
 
 from __future__ import annotations
 
@@ -22,6 +28,20 @@ from moe import handoff
 
 from ..executor import Handler, PlanTask
 from .gradients import _allreduce_grads
+
+
+def step_groups(opt: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """``opt.step()`` over ``groups`` (some of its param groups) only, then their gradients dropped.
+    The step walks ``opt.param_groups``; only the compute lane steps or reads it."""
+    every = opt.param_groups
+    opt.param_groups = groups
+    try:
+        opt.step()
+    finally:
+        opt.param_groups = every
+    for g in groups:
+        for p in g["params"]:
+            p.grad = None
 
 
 class OptimizerOps:
@@ -61,23 +81,64 @@ class OptimizerOps:
             for w, newest in zip(self.versions[k], self.versions[1 - k]):
                 w.copy_(newest)
 
-    def _optim(self, t: PlanTask) -> None:
-        rest = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
-        _allreduce_grads(rest, self.groups.optim)
-        stepped = rest if self.gshards is not None else self.params
-        for p in stepped:
+    layer_groups = False
+    """``schedule.layer_optim``: the AdamW holds a param group per layer (module docstring)."""
+    _layer_captured: dict[str, Tensor] = {}
+
+    def adamw_groups(self, params: list[Tensor]) -> list[Tensor] | list[dict]:
+        """What the AdamW of ``params`` is built on: the parameters, or with ``schedule.layer_optim`` a
+        param group of the non-layer ones and one per layer (:attr:`layer_groups`)."""
+        if not self.cfg.schedule.layer_optim:
+            return params
+        mine = {id(p) for p in params}
+        rest: list[Tensor] = []
+        by_layer: dict[int, list[Tensor]] = {}
+        for n, p in self.model.named_parameters():
+            if id(p) in mine:
+                (by_layer.setdefault(int(n.split(".")[1]), []) if n.startswith("layers.") else rest).append(p)
+        groups = [{"params": rest}] if rest else []
+        groups += [{"params": ps, "layer": L} for L, ps in sorted(by_layer.items())]
+        self.layer_groups = bool(by_layer)
+        self._layer_captured = {}
+        return groups
+
+    def _ready(self, params: list[Tensor]) -> None:
+        """Gradients of ``params`` about to be stepped: zeros where none was made, handed over."""
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             handoff.write(p.grad, "param grad (optim.run)")
+
+    def _optim_layer(self, layer: int) -> None:
+        """``s{s}/v{c}/L{l}/optim.run``: AdamW over layer ``layer``'s parameters alone."""
+        # looked up each time: loading a checkpoint replaces the group dicts
+        group = next(g for g in self.optimizer.param_groups if g.get("layer") == layer)
+        self._ready(group["params"])
+        if self.capture_grads:  # the stage's optim.run hands them over with the rest
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self._layer_captured.update({names[id(p)]: p.grad.detach().clone() for p in group["params"]})
+        step_groups(self.optimizer, [group])
+
+    def _optim(self, t: PlanTask) -> None:
+        if t.layer is not None:
+            self._optim_layer(t.layer)
+            return
+        rest = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
+        _allreduce_grads(rest, self.groups.optim)
+        self._ready(rest if self.gshards is not None or self.layer_groups else self.params)
         if self.capture_grads:
-            self.captured, self.capture_grads = self.grads(), False
+            self.captured, self.capture_grads = {**self._layer_captured, **self.grads()}, False
+            self._layer_captured = {}
             if self.gshards is not None:  # the layers' gradients live in the host shards
                 self.captured.update({f"layers.{L}.{n}": g for (L, n), g in self.gshards.full_grads().items()})
         if self.versions is not None:
             self._renew_version(parse_task_id(t.id).step or 0)
         if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.layer_groups:  # the layers' groups were stepped by their own tasks
+                step_groups(self.optimizer, [g for g in self.optimizer.param_groups if "layer" not in g])
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         if self.gshards is not None:
             self.gshards.step()
 

@@ -72,7 +72,8 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
                                       weight_decay=weight_decay, copy_delay_s=self.acts.copy_delay_s)
             opt_params = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
         # with grad_offload the layers' parameters are stepped by GradShards on host shards
-        self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay) if opt_params else None
+        self.optimizer = torch.optim.AdamW(self.adamw_groups(opt_params), lr=lr, weight_decay=weight_decay) \
+            if opt_params else None
         self.plan_steps = PIPELINE_TABLE[cfg.schedule.pipeline].steps  # pipedream-2bw: 2 ([Note: pipedream-2bw])
         self.step_contribs: list[float] = []
         """Per training step of the plan, this rank's loss contribution (:meth:`end_step`)."""
