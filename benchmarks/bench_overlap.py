@@ -49,7 +49,7 @@ CONFIGS = {
 RATIOS = (0.5, 1.0, 2.0)
 PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param",
           "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte,
-# comm_cpu_us_per_call
+# comm_cpu_us_per_call, task_time_cv
 
 
 def probe_hardware(work: Path) -> dict:
@@ -70,6 +70,8 @@ def probe_hardware(work: Path) -> dict:
     out["hardware.internode_latency_us"] = shaped["internode_latency_us"]
     out["hardware.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
     out["hardware.comm_cpu_us_per_call"] = shaped["comm_cpu_us_per_call"]
+    if shaped.get("task_time_cv"):
+        out["hardware.task_time_cv"] = shaped["task_time_cv"]
     return out
 
 
@@ -114,11 +116,12 @@ def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -
         raise SystemExit(f"bench_overlap: {name} {strategy} failed with exit {rc}")
     s = json.loads((out / "summary.json").read_text())
     return {"measured_us": s["measured_step_time_us"], "predicted_us": s["predicted_step_time_us"],
-            "losses": s["losses"]}
+            "expected_us": s.get("expected_step_time_us"), "losses": s["losses"]}
 
 
-def overlap(out: Path) -> tuple[float | None, float | None]:
-    """(planned, measured) comm/compute overlap of stage 0 / rank 0 from the validation report."""
+def overlap(out: Path) -> tuple[float | None, float | None, float | None]:
+    """(planned, expected with the task-time spread, measured) comm/compute overlap of stage 0 /
+    rank 0 from the validation report."""
     from traces.chrome import read_trace
     from traces.events import EventTable
     from traces.validate import load_plan, validate
@@ -126,7 +129,8 @@ def overlap(out: Path) -> tuple[float | None, float | None]:
     plan = load_plan(out / "plan.json")
     ev = EventTable.concat([read_trace(p) for p in sorted(out.glob("trace_rank*.json"))])
     m = validate(plan, ev, cross_rank_clocks=True).metrics
-    return m["planned_by_stage"][0]["comm_overlap_ratio"], m["measured_by_rank"][0]["comm_overlap_ratio"]
+    pl = m["planned_by_stage"][0]
+    return pl["comm_overlap_ratio"], pl.get("expected_comm_overlap_ratio"), m["measured_by_rank"][0]["comm_overlap_ratio"]
 
 
 def deepspeed(overrides: list[str], steps: int, out: Path) -> float:
@@ -197,12 +201,15 @@ def main() -> None:
             rows.append(r)
             k3, se = r["k3"], r["serial"]
             print(f"  {cname} link {gbps * 1e3:.1f} MB/s (comm:compute {ratio:g}): "
-                  f"k3 {k3['measured_us'] / 1e3:.1f} ms (pred {k3['predicted_us'] / 1e3:.1f}, x{k3['measured_us'] / k3['predicted_us']:.2f}) | "
-                  f"serial {se['measured_us'] / 1e3:.1f} ms (pred {se['predicted_us'] / 1e3:.1f}, x{se['measured_us'] / se['predicted_us']:.2f}) | "
-                  f"k3/serial measured {k3['measured_us'] / se['measured_us']:.3f} predicted {k3['predicted_us'] / se['predicted_us']:.3f}"
+                  f"k3 {k3['measured_us'] / 1e3:.1f} ms ({_pred(k3)}) | serial {se['measured_us'] / 1e3:.1f} ms "
+                  f"({_pred(se)}) | k3/serial measured {k3['measured_us'] / se['measured_us']:.3f} predicted "
+                  f"{k3['predicted_us'] / se['predicted_us']:.3f}"
+                  + (f" expected {k3['expected_us'] / se['expected_us']:.3f}" if k3["expected_us"] and se["expected_us"]
+                     else "")
                   + (f" | DeepSpeed {r['deepspeed_us'] / 1e3:.1f} ms, k3/DeepSpeed {k3['measured_us'] / r['deepspeed_us']:.3f}"
                      if "deepspeed_us" in r else "")
-                  + f" | overlap planned {_pct(r['overlap'][0])} measured {_pct(r['overlap'][1])}", flush=True)
+                  + f" | overlap planned {_pct(r['overlap'][0])} expected {_pct(r['overlap'][1])} "
+                    f"measured {_pct(r['overlap'][2])}", flush=True)
     transfer = None
     if not a.no_transfer:
         transfer = calibration_transfer(hw, base / "transfer", a.steps)
@@ -222,13 +229,26 @@ def calibration_transfer(hw: dict, out: Path, steps: int) -> dict:
     targets = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
                "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"],
                "half link rate": [f"hardware.internode_gbps={gbps / 2:.6g}"]}
-    residual, rows = transfer_check(TINY, source, targets, steps, out)
-    print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s: residual on the source run {residual:+.3f}")
+    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out)
+    print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s: residual on the source run {residual:+.3f}"
+          + (f" (against the expected step with the fitted spread {exp_residual:+.3f})" if exp_residual is not None
+             else ""))
     for r in rows:
         print(f"    {r.name:<16} predicted {r.predicted_us / 1e3:8.1f} ms  measured {r.measured_us / 1e3:8.1f} ms  "
-              f"measured/predicted {r.ratio:.3f} (x{r.ratio / (1 + residual):.3f} of the source's)", flush=True)
-    return {"gbps": gbps, "residual": residual,
-            "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us} for r in rows]}
+              f"measured/predicted {r.ratio:.3f} (x{r.ratio / (1 + residual):.3f} of the source's)"
+              + (f" | expected {r.expected_us / 1e3:8.1f} ms, measured/expected {r.expected_ratio:.3f}"
+                 if r.expected_us else ""), flush=True)
+    return {"gbps": gbps, "residual": residual, "expected_residual": exp_residual,
+            "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us,
+                      "expected_us": r.expected_us} for r in rows]}
+
+
+def _pred(r: dict) -> str:
+    """'pred P, xM' and, with a task-time spread, 'expected E, xM' (measured over each)."""
+    out = f"pred {r['predicted_us'] / 1e3:.1f}, x{r['measured_us'] / r['predicted_us']:.2f}"
+    if r.get("expected_us"):
+        out += f"; expected {r['expected_us'] / 1e3:.1f}, x{r['measured_us'] / r['expected_us']:.2f}"
+    return out
 
 
 def _pct(x) -> str:

@@ -80,6 +80,14 @@ def print_report(console, p, timeline: bool = False, gap: bool = False) -> None:
         from .seqslice import slices_line
 
         console.print(slices_line(p), highlight=False, markup=False, soft_wrap=True)
+    e = p.metrics.get("expected")
+    if e:  # [Note: task-time spread] in k3sched/variability.py
+        ov = ", ".join("-" if r is None else f"{r * 100:.0f}%" for r in e["comm_overlap_ratio"])
+        console.print(f"expected with the task-time spread (cv {e['task_time_cv']:g}"
+                      + (", per kind from the profile" if e["time_cv"] else "") + f", {e['samples']} replays of "
+                      f"{e['ranks']} rank(s) a stage): step {e['step_time_us'] / 1e3:.3f} ms (p10 "
+                      f"{e['step_time_p10_us'] / 1e3:.3f}, p90 {e['step_time_p90_us'] / 1e3:.3f}); comm/compute "
+                      f"overlap per stage {ov}", highlight=False, markup=False, soft_wrap=True)
     if p.cfg.parallel.world > 1:
         for line in placement_lines(p):
             console.print(line, highlight=False, markup=False)

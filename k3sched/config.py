@@ -239,6 +239,19 @@ class HardwareConfig(_Section):
     """CPU cores (0..1048576) the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
     rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /
     host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cost.py)."""
+    task_time_cv: float = _float(0.0, 10.0, open_low=False, default=0.0)
+    """Spread of a compute task's duration from run to run on this machine, as std / mean (0..10):
+    preemption, the transfers beside it, caches. When above 0 (or a profile gives per-kind values)
+    the plan also reports the step and overlap it expects with that spread, from a replay of its
+    lane orders with sampled durations ([Note: task-time spread] in k3sched/variability.py).
+    ``k3sched probe`` measures it beside transfers; 0: durations are exact (left out of plan.json)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_exact_durations(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if not self.task_time_cv:
+            out.pop("task_time_cv", None)
+        return out
 
 
 STORAGE_OPS: tuple[str, ...] = ("attn", "router", "dispatch", "shared", "expert", "combine", "mlp")

@@ -41,6 +41,7 @@ from .pipelines import TABLE
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
     _device_memory, _device_peak_per_stage, compute_metrics, lower_bound_us, path_bounds)
+from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
 from .tasks import Kind, Task, format_task_id
 
@@ -516,4 +517,6 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
     metrics["peak_device_bytes_before_offload"] = out.first_peaks if policy in ("auto", "remote") else None
     if level != levels[0]:
         metrics["memory_lean"] = {"lookahead": level[0], "wgrad_lag": level[1]}
+    if spread_active(cfg, search.cost):  # [Note: task-time spread] in k3sched/variability.py
+        metrics["expected"] = expected(g.tasks, att.lane_orders, cfg, search.cost, serial=strategy == "serial")
     return Plan(cfg, g, strategy, sched.name, att.lane_orders, att.memory, metrics, ranks)

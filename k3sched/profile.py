@@ -38,6 +38,9 @@ class Profile:
     head_us: float = 0.0
     p2p_us: float = 0.0
     """Measured embedding, head (forward and backward) and exposed P2P receive time per micro-batch."""
+    time_cv: dict[str, float] = field(default_factory=dict)
+    """Per compute kind: std / mean of its measured cost (replaces ``hardware.task_time_cv`` for the
+    kind; [Note: task-time spread] in k3sched/variability.py)."""
 
 
 PROFILE_FORMAT = "k3sched.profile/1"
@@ -63,6 +66,7 @@ _PROFILE_MAPS: dict[str, tuple[tuple[str, ...], str, float, bool, float, str]] =
     "latency_us": (LANES, "lane", 0.0, False, _MAX_US, "µs per call"),
     "link_efficiency": (LANES, "lane", 0.0, True, 1.0, "achieved / configured link rate"),
     "overhead_us": (_COMM_KINDS, "communication kind", 0.0, False, _MAX_US, "µs per task"),
+    "time_cv": (_KINDS, "task kind", 0.0, False, 10.0, "std / mean of the task's cost"),
 }
 _CPU_NS = (0.0, False, 1e6)
 
@@ -119,7 +123,7 @@ def load_profile(path: str | Path) -> Profile:
     return Profile(dict(doc.durations_us), dict(doc.bandwidth_gbps), str(p), saved, dict(doc.latency_us),
                    dict(doc.link_efficiency), dict(doc.overhead_us), doc.comm_cpu_ns_per_byte,
                    layer_us=[float(x) for x in doc.layer_us], embed_us=float(doc.embed_us),
-                   head_us=float(doc.head_us), p2p_us=float(doc.p2p_us))
+                   head_us=float(doc.head_us), p2p_us=float(doc.p2p_us), time_cv=dict(doc.time_cv))
 
 
 def _got(value: Any) -> str:

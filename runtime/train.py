@@ -541,6 +541,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         "tokens_per_s": [tokens_per_step / t for t in times],
         "predicted_step_time_us": predicted_us, "measured_step_time_us": measured * 1e6,
         "measured_over_predicted": (measured * 1e6 / predicted_us) if predicted_us else None,
+        **_expected_fields(doc, measured * 1e6),
         "perturbed": list(ex.perturbed) if ex.perturbed else None, "p2p": args.p2p,
         "budget_bytes": doc["metrics"].get("budget_bytes"),
         "peak_device_bytes_planned": doc["metrics"]["peak_device_bytes"],
@@ -560,6 +561,15 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
     return summary
 
 
+def _expected_fields(doc: dict, measured_us: float) -> dict:
+    """The plan's expected step under its task-time spread, when it has one ([Note: task-time
+    spread] in k3sched/variability.py), and the measured step over it."""
+    exp = (doc["metrics"].get("expected") or {}).get("step_time_us")
+    if not exp:
+        return {}
+    return {"expected_step_time_us": float(exp), "measured_over_expected": measured_us / float(exp)}
+
+
 def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory) -> None:
     """Rank 0's closing lines: measured against predicted step time and peak memory, routing imbalance."""
     from runtime.groups import Layout
@@ -572,6 +582,11 @@ def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory) -
     console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {2 if len(times) > 1 else 1}.."
                   f"{len(times)}), predicted {predicted_us / 1e3:.1f} ms, measured/predicted "
                   f"{med_us / predicted_us if predicted_us else float('nan'):.3f}")
+    exp = _expected_fields(doc, med_us)
+    if exp:
+        console.print(f"expected with the task-time spread (cv {doc['metrics']['expected']['task_time_cv']:g}, "
+                      f"{doc['metrics']['expected']['samples']} replays): {exp['expected_step_time_us'] / 1e3:.1f} ms, "
+                      f"measured/expected {exp['measured_over_expected']:.3f}")
     planned = doc["metrics"]["peak_device_bytes"]
     console.print("peak device memory per rank, measured / planned (MiB): " + ", ".join(
         f"r{r} {m[0] / 2**20:.2f}/{planned[Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx] / 2**20:.2f}"

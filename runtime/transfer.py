@@ -21,11 +21,19 @@ class TransferRow:
     overrides: list[str]
     predicted_us: float
     measured_us: float
+    expected_us: float | None = None
+    """The plan's expected step with the fitted task-time spread ([Note: task-time spread] in
+    k3sched/variability.py); None without one."""
 
     @property
     def ratio(self) -> float:
         """measured / predicted."""
         return self.measured_us / self.predicted_us
+
+    @property
+    def expected_ratio(self) -> float | None:
+        """measured / expected (None without a spread)."""
+        return self.measured_us / self.expected_us if self.expected_us else None
 
 
 def _run(config: Path, overrides: list[str], steps: int, out: Path) -> dict:
@@ -38,10 +46,11 @@ def _run(config: Path, overrides: list[str], steps: int, out: Path) -> dict:
 
 
 def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path
-                   ) -> tuple[float, list[TransferRow]]:
+                   ) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
-    plan. Returns (the fit's residual on the source run, one row per target)."""
+    plan. Returns (the fit's residual on the source run, one row per target, the residual against
+    the expected step with the fitted spread or None)."""
     from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan
@@ -54,7 +63,8 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     rows = []
     for name, extra in targets.items():
         ov = source + extra + [f"schedule.profile={profile}"]
-        predicted = float(plan(load_config(config, ov)).metrics["step_time_us"])
+        m = plan(load_config(config, ov)).metrics
         summary = _run(config, ov, steps, out / name.replace(" ", "_"))
-        rows.append(TransferRow(name, extra, predicted, float(summary["measured_step_time_us"])))
-    return fit.residual or 0.0, rows
+        rows.append(TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
+                                (m.get("expected") or {}).get("step_time_us")))
+    return fit.residual or 0.0, rows, fit.expected_residual

@@ -201,7 +201,7 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
     source = SMALL + [f"schedule.profile={ops}", f"hardware.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}"]
     attempts = []
     for attempt in range(3):  # a new measurement only when the last missed (load outside the test)
-        residual, rows = transfer_check(TINY, source, TARGETS, 4, tmp_path / f"try{attempt}")
+        residual, rows, _ = transfer_check(TINY, source, TARGETS, 4, tmp_path / f"try{attempt}")
         fitted = load_profile(tmp_path / f"try{attempt}" / "profile.yaml")
         relative = {r.name: r.ratio / (1 + residual) for r in rows}
         info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns); " + "; ".join(

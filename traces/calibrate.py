@@ -94,17 +94,27 @@ class Fit:
     link_efficiency: dict[str, float] = field(default_factory=dict)  # lane -> achieved / configured rate
     overhead_us: dict[str, float] = field(default_factory=dict)      # kept from the plan's profile
     comm_cpu_ns_per_byte: float | None = None  # fitted CPU cost of a transferred byte (CPU runner)
+    time_cv: dict[str, float] = field(default_factory=dict)  # compute kind -> std / mean of its costs
     share: float = 1.0                      # [Note: CPU sharing] factor of the source config's compute
     steps_used: int = 0
     ranks: int = 0
     measured_step_us: float | None = None   # the source run's measured step (its summary.json)
     predicted_us: float | None = None       # the source config planned with the written profile
+    expected_us: float | None = None        # ... its expected step with the fitted time spread
 
     @property
     def residual(self) -> float | None:
         """measured / predicted - 1 on the run the profile was fitted from (not a prediction)."""
         if self.measured_step_us and self.predicted_us:
             return self.measured_step_us / self.predicted_us - 1
+        return None
+
+    @property
+    def expected_residual(self) -> float | None:
+        """measured / expected - 1 on the source run, the expected step being the plan's replay with
+        the fitted task-time spread ([Note: task-time spread] in k3sched/variability.py)."""
+        if self.measured_step_us and self.expected_us:
+            return self.measured_step_us / self.expected_us - 1
         return None
 
     def to_yaml_doc(self, source: str = "") -> dict:
@@ -119,6 +129,8 @@ class Fit:
             doc["overhead_us"] = {k: round(v, 3) for k, v in sorted(self.overhead_us.items())}
         if self.comm_cpu_ns_per_byte is not None:
             doc["comm_cpu_ns_per_byte"] = float(f"{self.comm_cpu_ns_per_byte:.4g}")
+        if self.time_cv:
+            doc["time_cv"] = {k: round(v, 4) for k, v in sorted(self.time_cv.items())}
         if self.saved_bytes:
             doc["saved_bytes"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(self.saved_bytes.items())}
         return doc
@@ -159,7 +171,39 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
         fit.overhead_us = dict(model.profile.overhead_us)
     _fit_bandwidths(fit, cfg, per_task, variable, model)
     fit.saved_bytes = _plan_profile(plan, "saved_bytes")
+    fit.time_cv = _spread_beside_transfers(tasks, occ)
     return fit
+
+
+SPREAD_MIN_BESIDE = 0.5
+"""A compute instance counts towards its kind's spread when transfers of its rank cover at least
+this share of its span."""
+
+
+def _spread_beside_transfers(tasks: dict, occ: dict) -> dict[str, float]:
+    """Per compute kind, std / mean of the measured spans of its instances that ran beside their
+    rank's transfers (``ep`` / ``collective`` lanes over at least ``SPREAD_MIN_BESIDE`` of the
+    span), kinds with two or more such instances: the spread the plan's replay gives a task beside
+    a transfer ([Note: task-time spread] in k3sched/variability.py)."""
+    import numpy as np
+
+    from k3sched.metrics import _covered, _merge
+
+    comm: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for (r, tid, k), (s, e) in occ.items():
+        if tasks[tid]["lane"] in COLLECTIVE_LANES and e > s:
+            comm[(r, k)].append((s, e))
+    merged = {key: _merge(np.array(iv, dtype=float)) for key, iv in comm.items()}
+    spans: dict[str, list[float]] = defaultdict(list)
+    for (r, tid, k), (s, e) in occ.items():
+        t = tasks[tid]
+        m = merged.get((r, k))
+        if t["lane"] != "compute" or e <= s or m is None or t["kind"] == Kind.OPTIM.value:
+            continue
+        if _covered(np.array([[s, e]]), m) >= SPREAD_MIN_BESIDE * (e - s):
+            spans[t["kind"]].append(e - s)
+    return {k: min(10.0, statistics.pstdev(v) / statistics.fmean(v)) for k, v in sorted(spans.items())
+            if len(v) > 1 and statistics.fmean(v) > 0}
 
 
 def _occurrences(tasks: dict, events, skip_first_step: bool | None) -> tuple[dict, list[tuple[int, str]]]:
@@ -360,8 +404,9 @@ def _fit_wires(fit: Fit, model: CostModel, rows: list) -> None:
         fit.link_efficiency[lane] = 1.0 / k
 
 
-def predict_step_us(plan: dict, fit: Fit) -> float:
-    """Step time the planner predicts for ``plan``'s config with ``fit`` as its profile."""
+def predict_step_us(plan: dict, fit: Fit) -> tuple[float, float | None]:
+    """Step time the planner predicts for ``plan``'s config with ``fit`` as its profile, and the
+    step it expects with the fitted task-time spread (None without one)."""
     import tempfile
 
     from k3sched.planner import plan as make_plan
@@ -371,7 +416,8 @@ def predict_step_us(plan: dict, fit: Fit) -> float:
         path = write_profile(fit, Path(d) / "profile.yaml")
         data["schedule"] = {**data["schedule"], "profile": str(path)}
         cfg = config_from_dict(data)
-        return float(make_plan(cfg, plan.get("strategy")).metrics["step_time_us"])
+        m = make_plan(cfg, plan.get("strategy")).metrics
+        return float(m["step_time_us"]), (m.get("expected") or {}).get("step_time_us")
 
 
 def _lane(kind: Kind) -> str:
@@ -452,7 +498,7 @@ def calibrate_files(trace_paths: list[str | Path], plan_path: str | Path, out_pa
     fit.measured_step_us = measured
     write_profile(fit, out_path, source=f"{len(trace_paths)} trace file(s) of the run planned in {plan_path}")
     if {"model", "parallel", "hardware", "schedule"} <= set(plan.get("config") or {}):  # a planner's plan
-        fit.predicted_us = predict_step_us(plan, fit)
+        fit.predicted_us, fit.expected_us = predict_step_us(plan, fit)
     return fit
 
 
@@ -475,4 +521,7 @@ def render(fit: Fit) -> str:
         lines.append(f"fit residual on the source run: measured {fit.measured_step_us / 1e3:.1f} ms, planned with the "
                      f"profile {fit.predicted_us / 1e3:.1f} ms ({fit.residual * 100:+.1f}%); a prediction for other "
                      "configs is only checked by running them")
+    if fit.expected_residual is not None:
+        lines.append(f"with the fitted task-time spread (cv per kind, [Note: task-time spread] in k3sched/variability.py) "
+                     f"the plan expects {fit.expected_us / 1e3:.1f} ms ({fit.expected_residual * 100:+.1f}%)")
     return "\n".join(lines)

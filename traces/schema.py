@@ -126,6 +126,7 @@ class PlanMetrics(_Strict):
     num_tasks: Optional[NonNegInt] = None
     budget_bytes: Optional[NonNegInt] = None
     offloaded_sets: Optional[dict[str, NonNegInt]] = None
+    expected: Optional[dict[str, Any]] = None  # [Note: task-time spread] in k3sched/variability.py
 
 
 class Plan(_Strict):
@@ -150,6 +151,8 @@ class RunSummary(_Strict):
     measured_step_time_us: PosFloat
     predicted_step_time_us: Optional[NonNegFloat] = None
     measured_over_predicted: Optional[NonNegFloat] = None
+    expected_step_time_us: Optional[NonNegFloat] = None
+    measured_over_expected: Optional[NonNegFloat] = None
     config: Optional[str] = None
     overrides: Optional[list[str]] = None
     strategy: Optional[str] = None

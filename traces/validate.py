@@ -138,6 +138,11 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
                    only_traced_stages=only_traced_stages)
     V = [v for rule in rules.RULES for v in rule(J)]
     metrics = _metrics(J.P, J.rank, J.task, J.lane, J.start, J.end, J.ranks, J.stages.stage_of, J.P.stages)
+    pm = plan.get("metrics") if isinstance(plan, dict) else (plan.metrics.model_dump() if plan.metrics else None)
+    exp = ((pm or {}).get("expected") or {}).get("comm_overlap_ratio") or []
+    for s, d in metrics["planned_by_stage"].items():  # the plan's overlap with its task-time spread, if any
+        if s < len(exp):
+            d["expected_comm_overlap_ratio"] = exp[s]
     n_dev = int(J.on_dev.sum())
     metrics.update({"tolerance_us": tolerance_us, "planned_tasks": len(J.P.ids), "matched_instances": int(len(J.task)),
                     "repeated_instances": J.repeats, "ranks": len(J.ranks), "stage_of_rank": J.stages.stage_of,
@@ -250,7 +255,9 @@ def _render(rep: Report, max_violations: int) -> str:
     for r, mr in sorted(m.get("measured_by_rank", {}).items()):
         p = pl.get(mr["stage"], {})
         lines.append(f"rank {r} (stage {mr['stage']}): span {_fmt(mr['span_us'])} us (plan {_fmt(p.get('span_us'))}); "
-                     f"comm/compute overlap {_ratio(mr['comm_overlap_ratio'])} (plan {_ratio(p.get('comm_overlap_ratio'))})")
+                     f"comm/compute overlap {_ratio(mr['comm_overlap_ratio'])} (plan {_ratio(p.get('comm_overlap_ratio'))}"
+                     + (f", expected {_ratio(p['expected_comm_overlap_ratio'])} with its task-time spread"
+                        if p.get("expected_comm_overlap_ratio") is not None else "") + ")")
         busy = "  ".join(f"{ln} {_fmt(mr['busy_us'][ln])}/{_fmt(p.get('busy_us', {}).get(ln))}"
                          for ln in mr["busy_us"] if mr["busy_us"][ln] or p.get("busy_us", {}).get(ln))
         lines.append(f"    busy us measured/planned: {busy}")

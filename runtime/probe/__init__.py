@@ -72,7 +72,8 @@ import torch
 
 KiB, MiB = 1 << 10, 1 << 20
 from .collectives import (  # noqa: F401 - the public parts, as runtime.probe.NAME
-    collective_groups, comm_cpu_fit, comm_cpu_ns_per_byte, launch_workers, link_numbers, measure_collectives, worker_main)
+    CHUNK_S, collective_groups, comm_cpu_fit, comm_cpu_ns_per_byte, launch_workers, link_numbers, measure_collectives,
+    task_time_cv_fit, worker_main)
 from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
@@ -273,6 +274,12 @@ def _probe_links(nproc: int, gpn: int, testbed: Any, knobs: Knobs, timeout_s: fl
                "([Note: what a call costs a computing thread] in runtime/probe/collectives.py)")
         rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", f"per byte sent + received: {how}"))
         rows.append(Row("comm_cpu_us_per_call", f"{call_us:.3g} µs", "per call: the same fit's intercept"))
+        cv = task_time_cv_fit(coll)
+        if cv is not None:
+            hw["task_time_cv"] = round(cv, 4)
+            rows.append(Row("task_time_cv", f"{cv:.3g}", f"std / mean of {CHUNK_S * 1e3:g} ms pieces of that GEMM loop "
+                            "beside the all_to_alls, median over the sizes ([Note: task-time spread] in "
+                            "k3sched/variability.py)"))
     else:
         rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", "process CPU time of rank 0 during its "
                         "largest all_to_alls / bytes it sent and received (gloo threads, kernel TCP); 0 on CUDA"))
@@ -308,6 +315,7 @@ def _hardware(hw_base, cuda: bool, nproc: int, gpn: int, hw: dict[str, Any]) -> 
         "pcie_gbps": m["pcie_gbps"], "pcie_latency_us": m["pcie_latency_us"], "launch_us": m["launch_us"],
         "optim_ns_per_param": m["optim_ns_per_param"], "host_cores": hw["host_cores"],
         "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"], "comm_cpu_us_per_call": m["comm_cpu_us_per_call"],
+        **({"task_time_cv": m["task_time_cv"]} if m.get("task_time_cv") else {}),
     }
 
 
@@ -328,6 +336,7 @@ _FIELD_HOW = {
     "host_cores": "os.cpu_count() on CPU (ranks' lanes share them), 0 on CUDA",
     "comm_cpu_ns_per_byte": "measured: compute time lost per byte a concurrent all_to_all sends + receives (CPU)",
     "comm_cpu_us_per_call": "measured: compute time lost per concurrent all_to_all call, beside its bytes (CPU)",
+    "task_time_cv": "measured: std / mean of 5 ms pieces of compute beside all_to_alls (CPU)",
     "device_memory_gb": "not measured",
     "host_memory_gb": "not measured",
     "gpus_per_node": "not measured",

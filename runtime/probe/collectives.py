@@ -201,6 +201,9 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
 
 CONTENDED_SIZES = (16 * KiB, 256 * KiB, 1 * MiB)
 """All-to-all sizes of the contended measurement ([Note: what a call costs a computing thread])."""
+CHUNK_S = 0.005
+"""Length of the GEMM-loop pieces whose spread the contended measurement also reports: about a
+compute task of the testbed's models (2-12 ms)."""
 
 
 def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], window_s: float, reps: int,
@@ -224,14 +227,21 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
     n = len(ranks)
     a, b = torch.randn(512, 256), torch.randn(256, 1024)
 
-    def gemms(k: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(k):
+    def gemms(k: int, chunks: list[float] | None = None) -> float:
+        t0 = t = time.perf_counter()
+        for i in range(k):
             torch.mm(a, b)
+            if chunks is not None and (i + 1) % per_chunk == 0:
+                now = time.perf_counter()
+                chunks.append(now - t)
+                t = now
         return time.perf_counter() - t0
 
+    per_chunk = 1
     gemms(10)
-    k = int(_agreed(max(1, window_s / max(gemms(20) / 20, 1e-6)), group, device))
+    one = max(gemms(20) / 20, 1e-6)
+    k = int(_agreed(max(1, window_s / one), group, device))
+    per_chunk = max(1, round(CHUNK_S / one))  # task-sized pieces of the loop ([Note: task-time spread])
     rows = []
     for size in sizes:
         numel = max(n, size // 4 // n * n)
@@ -247,7 +257,7 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
         for _ in range(3):
             call()
         idle = _agreed((time.perf_counter() - t0) / 3, group, device)
-        stretch, per_call = [], []
+        stretch, per_call, chunks = [], [], []
         for _ in range(reps):
             dist.barrier(group=group)
             alone = gemms(k)
@@ -264,7 +274,7 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
             th.start()
             time.sleep(min(0.01, idle))  # the transfers are under way when the loop starts
             t0 = time.perf_counter()
-            busy = gemms(k)
+            busy = gemms(k, chunks)
             t1 = t0 + busy
             th.join()
             done = [t for t in stamps if t0 <= t <= t1]
@@ -274,8 +284,23 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
         if stretch:
             rows.append({"bytes": numel * 4, "moved_bytes": 2 * numel * 4 * (n - 1) / n,
                          "stretch_us": statistics.median(stretch) * 1e6, "samples_us": [v * 1e6 for v in stretch],
-                         "idle_call_us": idle * 1e6, "busy_call_us": statistics.median(per_call) * 1e6})
+                         "idle_call_us": idle * 1e6, "busy_call_us": statistics.median(per_call) * 1e6,
+                         "chunk_cv": statistics.pstdev(chunks) / statistics.fmean(chunks) if len(chunks) > 1 else 0.0,
+                         "chunks": len(chunks)})
     return rows
+
+
+def task_time_cv_fit(coll: dict) -> float | None:
+    """The spread (std / mean) of a task-sized piece of compute while all-to-alls run beside it: the
+    median over the contended rows' ``chunk_cv`` of the first group that has them (``CHUNK_S`` pieces
+    of the GEMM loop, [Note: what a call costs a computing thread]); the planner's
+    ``hardware.task_time_cv`` ([Note: task-time spread] in k3sched/variability.py). None without
+    contended rows."""
+    for group in coll.get("groups", {}).values():
+        rows = [r for r in group.get("contended") or [] if r.get("chunks", 0) > 1]
+        if rows:
+            return float(statistics.median(r["chunk_cv"] for r in rows))
+    return None
 
 
 def comm_cpu_fit(coll: dict) -> tuple[float, float] | None:
