@@ -11,12 +11,15 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
   model of ``bench_runtime.py`` (plain autograd, same shapes, same shaped links);
 - predicted and measured step time, k3 / serial predicted vs measured, planned vs measured
   comm/compute overlap of the k3 run (``traces.validate``: share of communication-lane time that
-  overlaps compute, stage 0 / rank 0).
+  overlaps compute, stage 0 / rank 0); beside each prediction the one the plan expects with the
+  probe's task-time spread (``metrics.expected``, [Note: task-time spread] in
+  k3sched/variability.py).
 
 Predictions are uncalibrated: compute, launch, AdamW and copy rates and the router's imbalance
 (``model.routing_imbalance``) come from ``k3sched probe`` run once at the start (no testbed), the
 links from the shaped rates and the probe's per-call latency and CPU cost of communication inside
-the testbed. Nothing is fitted to these runs.
+the testbed, and its spread of compute beside all-to-alls (``hardware.task_time_cv``). Nothing is
+fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
 EP-bound config predicts four other configs, each then run: twice the micro-batches, serial,
