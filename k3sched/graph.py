@@ -92,9 +92,8 @@ def _min_max_split(w: list[float], parts: int, first_extra: float, last_extra: f
     """Contiguous split of items ``w`` into ``parts`` groups minimising the largest group weight
     (group 0 also carries ``first_extra``, the last group ``last_extra``); among those, the one
     whose group 0 holds the fewest items but at least one, unless the plain DP leaves it empty
-    ([Note: a light first vstage]). Inner groups hold at least
-    one item; the first and last may be empty. DP over (group, prefix), O(parts * n^2), at most
-    three passes."""
+    ([Note: a light first vstage]). Inner groups hold at least one item; the first and last may be
+    empty. DP over (group, prefix), O(parts * n^2), at most three passes."""
     optimum, split = _min_max_dp(w, parts, first_extra, last_extra, None)
     if parts == 1 or len(split[0]) <= 1:
         return split
