@@ -38,8 +38,10 @@ sampled durations:
 mean step, its 10th and 90th percentiles and, per stage, rank 0's mean comm/compute overlap (the
 share of communication-lane time that overlaps compute, as ``k3sched validate`` measures it).
 This is a prediction of what a run of the *same* lane orders costs; it does not re-plan around the
-spread. Checked against the shaped-link testbed's runs in benchmarks/bench_overlap.py and
-tests/test_variability.py.
+spread. Left out: a transfer's own slowdown beside compute (on the 2-core testbed an all-to-all
+after both ranks posted it runs up to ~1.5x its time alone; README, shaped-link table) and the
+start-dependencies of gradient-shard onloads (a start waiting for another's start). Checked against
+the shaped-link testbed's runs in benchmarks/bench_overlap.py and tests/test_variability.py.
 """
 
 from __future__ import annotations
