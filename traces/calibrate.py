@@ -94,7 +94,7 @@ class Fit:
     link_efficiency: dict[str, float] = field(default_factory=dict)  # lane -> achieved / configured rate
     overhead_us: dict[str, float] = field(default_factory=dict)      # kept from the plan's profile
     comm_cpu_ns_per_byte: float | None = None  # fitted CPU cost of a transferred byte (CPU runner)
-    time_cv: dict[str, float] = field(default_factory=dict)  # compute kind -> std / mean of its costs
+    time_cv: dict[str, float] = field(default_factory=dict)  # compute kind -> spread beside transfers
     share: float = 1.0                      # [Note: CPU sharing] factor of the source config's compute
     steps_used: int = 0
     ranks: int = 0
