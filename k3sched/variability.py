@@ -113,17 +113,30 @@ def _token_edges(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str]
     return edges
 
 
-def _beside_transfers(tl: Sequence[Task]) -> dict[int, float]:
+def _by_stage(tl: Sequence[Task]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per stage, the positions of its transfers (``ep`` / ``collective`` lanes) and of its compute
+    tasks."""
+    comm: dict[int, list[int]] = {}
+    comp: dict[int, list[int]] = {}
+    for i, t in enumerate(tl):
+        if t.lane in ("ep", "collective", "compute"):
+            (comp if t.lane == "compute" else comm).setdefault(t.stage, []).append(i)
+    return {s: (np.array(comm.get(s, []), dtype=np.int64), np.array(comp.get(s, []), dtype=np.int64))
+            for s in sorted({t.stage for t in tl})}
+
+
+def _beside_transfers(tl: Sequence[Task], stages: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> dict[int, float]:
     """Per compute task (by position): the share of its planned span during which a transfer of
-    its stage (``ep`` or ``collective`` lane) runs, in the plan's own schedule."""
+    its stage runs, in the plan's own schedule."""
     out: dict[int, float] = {}
-    for s in sorted({t.stage for t in tl}):
-        comm = _merge(np.array([(t.start_us, t.end_us) for t in tl if t.stage == s and t.lane in ("ep", "collective")
-                                and t.end_us > t.start_us], dtype=float).reshape(-1, 2))
+    for comm_i, comp_i in stages.values():
+        comm = _merge(np.array([(tl[i].start_us, tl[i].end_us) for i in comm_i if tl[i].end_us > tl[i].start_us],
+                               dtype=float).reshape(-1, 2))
         if not len(comm):
             continue
-        for i, t in enumerate(tl):
-            if t.stage == s and t.lane == "compute" and t.end_us > t.start_us:
+        for i in comp_i.tolist():
+            t = tl[i]
+            if t.end_us > t.start_us:
                 out[i] = _covered(np.array([[t.start_us, t.end_us]]), comm) / (t.end_us - t.start_us)
     return out
 
@@ -180,7 +193,8 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
     R = max(1, min(p.ep * p.dp, MAX_RANKS))
     S = samples
     cvs = time_cvs(cfg, cost)
-    beside = _beside_transfers(tl)
+    stages = _by_stage(tl)
+    beside = _beside_transfers(tl, stages)
     rng = np.random.default_rng(seed)
     end = np.zeros((n, S, R))
     start0 = np.zeros((n, S))  # rank 0's starts (its overlap)
@@ -199,20 +213,17 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
             sg = math.sqrt(math.log1p(cv * cv))
             end[i] = st + t.duration_us * rng.lognormal(-sg * sg / 2, sg, size=(S, R))
     steps = end.reshape(n, -1).max(axis=0).reshape(S, R).max(axis=1)
-    stages = sorted({t.stage for t in tl})
-    comm = {s: np.array([i for i, t in enumerate(tl) if t.stage == s and t.lane in ("ep", "collective")
-                         and t.duration_us > 0], dtype=np.int64) for s in stages}
-    comp = {s: np.array([i for i, t in enumerate(tl) if t.stage == s and t.lane == "compute" and t.duration_us > 0],
-                        dtype=np.int64) for s in stages}
     overlap: list[float | None] = []
-    for s in stages:
+    dur = np.array([t.duration_us for t in tl])
+    for comm, comp in stages.values():
+        comm, comp = comm[dur[comm] > 0], comp[dur[comp] > 0]
         ratios = []
         for k in range(S):
-            c = _merge(np.stack([start0[comm[s], k], end[comm[s], k, 0]], axis=1))
+            c = _merge(np.stack([start0[comm, k], end[comm, k, 0]], axis=1))
             length = float((c[:, 1] - c[:, 0]).sum()) if len(c) else 0.0
             if length <= 0:
                 continue
-            w = _merge(np.stack([start0[comp[s], k], end[comp[s], k, 0]], axis=1))
+            w = _merge(np.stack([start0[comp, k], end[comp, k, 0]], axis=1))
             ratios.append(_covered(c, w) / length)
         overlap.append(round(float(np.mean(ratios)), 6) if ratios else None)
     return {"task_time_cv": cfg.hardware.task_time_cv,

@@ -35,7 +35,7 @@ def _two_task_step(cv: float, ep: int):
 
 
 def test_only_the_share_of_a_task_beside_a_transfer_spreads():
-    from k3sched.variability import _beside_transfers
+    from k3sched.variability import _beside_transfers, _by_stage
 
     a = Task("s0/mb0/L1/attn.fwd", Kind.ATTN_FWD, "compute", 0, 0, 0, 1, duration_us=1000.0, start_us=0.0,
              end_us=1000.0)
@@ -43,7 +43,7 @@ def test_only_the_share_of_a_task_beside_a_transfer_spreads():
              end_us=2000.0)
     c = Task("s0/mb1/L1/combine.fwd", Kind.COMBINE_FWD, "ep", 0, 0, 1, 1, duration_us=250.0, start_us=750.0,
              end_us=1000.0)
-    assert _beside_transfers([a, b, c]) == {0: 0.25, 1: 0.0}
+    assert _beside_transfers([a, b, c], _by_stage([a, b, c])) == {0: 0.25, 1: 0.0}
 
 
 def test_an_all_to_all_starts_at_the_expected_maximum_of_its_ranks():
