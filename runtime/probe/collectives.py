@@ -227,17 +227,17 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
     n = len(ranks)
     a, b = torch.randn(512, 256), torch.randn(256, 1024)
 
-    def gemms(k: int, chunks: list[float] | None = None) -> float:
+    def gemms(k: int, chunks: list[float] | None = None, every: int = 1) -> float:
+        """``k`` GEMMs; with ``chunks``, the time of each run of ``every`` of them appended."""
         t0 = t = time.perf_counter()
         for i in range(k):
             torch.mm(a, b)
-            if chunks is not None and (i + 1) % per_chunk == 0:
+            if chunks is not None and (i + 1) % every == 0:
                 now = time.perf_counter()
                 chunks.append(now - t)
                 t = now
         return time.perf_counter() - t0
 
-    per_chunk = 1
     gemms(10)
     one = max(gemms(20) / 20, 1e-6)
     k = int(_agreed(max(1, window_s / one), group, device))
@@ -274,7 +274,7 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
             th.start()
             time.sleep(min(0.01, idle))  # the transfers are under way when the loop starts
             t0 = time.perf_counter()
-            busy = gemms(k, chunks)
+            busy = gemms(k, chunks, per_chunk)
             t1 = t0 + busy
             th.join()
             done = [t for t in stamps if t0 <= t <= t1]
