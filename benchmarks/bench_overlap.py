@@ -52,7 +52,7 @@ CONFIGS = {
 RATIOS = (0.5, 1.0, 2.0)
 PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param",
           "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte,
-# comm_cpu_us_per_call, task_time_cv
+# comm_cpu_us_per_call, comm_wait_us_per_call, task_time_cv
 
 
 def probe_hardware(work: Path) -> dict:
@@ -73,6 +73,8 @@ def probe_hardware(work: Path) -> dict:
     out["hardware.internode_latency_us"] = shaped["internode_latency_us"]
     out["hardware.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
     out["hardware.comm_cpu_us_per_call"] = shaped["comm_cpu_us_per_call"]
+    if shaped.get("comm_wait_us_per_call"):
+        out["hardware.comm_wait_us_per_call"] = shaped["comm_wait_us_per_call"]
     if shaped.get("task_time_cv"):
         out["hardware.task_time_cv"] = shaped["task_time_cv"]
     return out

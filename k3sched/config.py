@@ -235,6 +235,13 @@ class HardwareConfig(_Section):
     compute thread loses to them. Compute that overlaps the call is slowed by it ([Note: CPU cost of
     communication] in k3sched/planner.py). ``k3sched probe`` measures it in the testbed as what
     concurrent all-to-alls cost a computing thread; 0: none."""
+    comm_wait_us_per_call: float = _float(0.0, 1e6, open_low=False, default=0.0)
+    """Time (µs, 0..1e6) each communication call takes longer while the rank's compute lane runs beside it,
+    when lanes are CPU threads (``host_cores`` set): every wake-up of the transfer's threads (gloo's, the
+    lane's) waits for a core the compute thread holds. A transfer is lengthened by it times the share of
+    its span that compute overlaps ([Note: a transfer beside compute] in k3sched/planner.py).
+    ``k3sched probe`` measures it in the testbed (an all-to-all's time beside a GEMM loop less its time
+    alone); 0: transfers do not wait for cores (NIC DMA, GPUs; left out of plan.json)."""
     host_cores: int = _int(0, 1 << 20, default=0)
     """CPU cores (0..1048576) the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
     rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /
@@ -247,10 +254,11 @@ class HardwareConfig(_Section):
     ``k3sched probe`` measures it beside transfers; 0: durations are exact (left out of plan.json)."""
 
     @model_serializer(mode="wrap")
-    def _drop_exact_durations(self, handler: Any) -> dict[str, Any]:
+    def _drop_unset_cpu_terms(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if not self.task_time_cv:
-            out.pop("task_time_cv", None)
+        for key in ("task_time_cv", "comm_wait_us_per_call"):
+            if not getattr(self, key):
+                out.pop(key, None)
         return out
 
 

@@ -63,6 +63,10 @@ _GEMM = {
 }
 
 
+WIRE_WAIT_LANES = ("ep", "collective", "offload_remote")
+"""Lanes whose tasks are transfers on the wire (and wait for cores beside compute on the CPU runner)."""
+
+
 @dataclass(frozen=True)
 class Wire:
     """[Note: wire model] What one communication task does on the wire: ``steps`` sequential
@@ -517,11 +521,25 @@ class CostModel:
         fitted = self.profile.comm_cpu_ns_per_byte
         return (hw.comm_cpu_ns_per_byte if fitted is None else fitted) if hw.host_cores else 0.0
 
-    def comm_costs_cpu(self) -> bool:
-        """Whether a transfer costs the rank's cores anything (per byte or per call): the planner then
-        stretches the compute that overlaps it ([Note: CPU cost of communication] in k3sched/planner.py)."""
+    def comm_wait_us(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
+        """How much longer a communication task takes when compute runs beside it for its whole span,
+        on the CPU runner (``host_cores`` set): ``hardware.comm_wait_us_per_call`` per call or ring
+        step of its wire (the unit the link latency is paid in, [Note: wire model]); 0 for other
+        lanes and on GPUs ([Note: a transfer beside compute] in k3sched/planner.py)."""
         hw = self.cfg.hardware
-        return bool(self.comm_cpu_ns_per_byte() or (hw.host_cores and hw.comm_cpu_us_per_call))
+        if not hw.host_cores or not hw.comm_wait_us_per_call or LANE_OF[kind] not in WIRE_WAIT_LANES:
+            return 0.0
+        w = self.wire(kind, layer=layer, nbytes=nbytes)
+        return hw.comm_wait_us_per_call * (w.steps if w is not None and w.steps else self.comm_calls(kind))
+
+    def comm_costs_cpu(self) -> bool:
+        """Whether a transfer and the compute beside it contend for the rank's cores (the transfer's CPU
+        per byte or per call, or its wake-ups' wait for a core): the planner then stretches both where
+        they overlap ([Note: CPU cost of communication], [Note: a transfer beside compute] in
+        k3sched/planner.py)."""
+        hw = self.cfg.hardware
+        return bool(self.comm_cpu_ns_per_byte()
+                    or (hw.host_cores and (hw.comm_cpu_us_per_call or hw.comm_wait_us_per_call)))
 
     def optim_us(self, params: int, nonlayer_params: int) -> float:
         """optim.run of a stage holding ``params`` parameters: AdamW over them (this rank's

@@ -31,11 +31,16 @@ def _merge(iv: np.ndarray) -> np.ndarray:
 
 
 def _covered(a: np.ndarray, b: np.ndarray) -> float:
-    """Length of merged intervals a intersected with merged intervals b: for each interval of a,
-    the length of b below its end minus that below its start (b's cumulative length at x is its
+    """Length of merged intervals a intersected with merged intervals b."""
+    return float(_covered_each(a, b).sum())
+
+
+def _covered_each(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """For each interval of a (any, n x 2), the length of it that merged intervals b cover: the
+    length of b below its end minus that below its start (b's cumulative length at x is its
     whole intervals ending by x plus the part of the next one before x)."""
     if len(a) == 0 or len(b) == 0:
-        return 0.0
+        return np.zeros(len(a))
     bs, be = b[:, 0], b[:, 1]
     cum = np.concatenate(([0.0], np.cumsum(be - bs)))
     last = len(b) - 1
@@ -44,7 +49,7 @@ def _covered(a: np.ndarray, b: np.ndarray) -> float:
         k = np.searchsorted(be, x, side="right")
         return cum[k] + np.where(k <= last, np.maximum(x - bs[np.minimum(k, last)], 0.0), 0.0)
 
-    return float((below(a[:, 1]) - below(a[:, 0])).sum())
+    return below(a[:, 1]) - below(a[:, 0])
 
 
 def path_bounds(g: StepGraph) -> tuple[float, dict[str, float], dict[str, float]]:

@@ -40,7 +40,7 @@ from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared
 from .pipelines import TABLE
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
-    _device_memory, _device_peak_per_stage, compute_metrics, lower_bound_us, path_bounds)
+    _covered_each, _device_memory, _device_peak_per_stage, _merge, compute_metrics, lower_bound_us, path_bounds)
 from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
 from .tasks import Kind, Task, format_task_id
@@ -265,17 +265,32 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     shares its core with that work, so it takes longer by the CPU time the overlapping transfers
     spend during it (each transfer's CPU spread evenly over its planned span). Returns the
     durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (``raw``:
-    its lane orders, start and end times by task index); the caller schedules again with them."""
+    its lane orders, start and end times by task index); the caller schedules again with them.
+
+    [Note: a transfer beside compute] The other side of the same contention: a transfer's threads
+    (the lane's, gloo's) sleep between its messages and each wake-up waits for a core the compute
+    thread holds, so a call takes ``hardware.comm_wait_us_per_call`` longer while compute runs
+    beside it (``k3sched probe`` measures an all-to-all beside a GEMM loop against the same call
+    alone: 1.3-2.0 ms per call in five probes on the 2-core testbed, a sixth to a quarter of an
+    8 ms all-to-all). Each transfer is lengthened by that times its calls or ring steps times the
+    share of its span the stage's compute overlaps in the last schedule; a serial plan has no
+    compute beside a transfer and keeps its durations. Without it the plan put just an
+    all-to-all's worth of compute beside each one and the run's compute waited for every late one:
+    on the EP-bound testbed config at comm:compute 0.5 (benchmarks/bench_overlap.py) rank 0's
+    compute waited 184 ms for the EP lane against 30 ms planned, overlap 63% against 83% planned,
+    k3 / serial 0.939 against 0.852 predicted; with it 105 ms against 40 ms, 72% against 83%, and
+    0.856 against 0.856 (one run each, the machine's noise is a few points)."""
     ns = cost.comm_cpu_ns_per_byte()
     dur = list(prep.dur)
     tasks, ids = g.tasks, prep.ids
     start_t, end_t = raw[1], raw[2]
-    by_stage: dict[int, tuple[list[int], list[tuple[float, float, float]]]] = defaultdict(lambda: ([], []))
+    by_stage: dict[int, tuple[list[int], list[tuple[float, float, float]], list[tuple[int, float]]]] = \
+        defaultdict(lambda: ([], [], []))
     for i, tid in enumerate(ids):
         if i in skip:
             continue
         t = tasks[tid]
-        comp, comm = by_stage[t.stage]
+        comp, comm, waits = by_stage[t.stage]
         if t.lane == "compute":
             comp.append(i)
         elif end_t[i] > start_t[i]:
@@ -283,15 +298,24 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
             cpu = moved * ns / 1e3 + host_us
             if cpu:
                 comm.append((start_t[i], end_t[i], min(1.0, cpu / (end_t[i] - start_t[i]))))
-    for comp, comm in by_stage.values():
-        if not comm:
-            continue
-        ms = np.array([c[0] for c in comm])
-        me = np.array([c[1] for c in comm])
-        rate = np.array([c[2] for c in comm])
-        for i in comp:
-            ov = np.clip(np.minimum(me, end_t[i]) - np.maximum(ms, start_t[i]), 0.0, None)
-            dur[i] = prep.dur[i] + float(ov @ rate)
+            wait = cost.comm_wait_us(t.kind, t.layer, t.bytes)
+            if wait:
+                waits.append((i, wait))
+    for comp, comm, waits in by_stage.values():
+        if comm:
+            ms = np.array([c[0] for c in comm])
+            me = np.array([c[1] for c in comm])
+            rate = np.array([c[2] for c in comm])
+            for i in comp:
+                ov = np.clip(np.minimum(me, end_t[i]) - np.maximum(ms, start_t[i]), 0.0, None)
+                dur[i] = prep.dur[i] + float(ov @ rate)
+        if waits and comp:
+            busy = np.array([(start_t[i], end_t[i]) for i in comp], dtype=float)
+            busy = _merge(busy[busy[:, 1] > busy[:, 0]])
+            span = np.array([(start_t[i], end_t[i]) for i, _ in waits], dtype=float)
+            share = _covered_each(span, busy) / (span[:, 1] - span[:, 0])
+            for (i, wait), sh in zip(waits, share):
+                dur[i] = prep.dur[i] + wait * float(sh)
     return dur
 
 

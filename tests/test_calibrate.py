@@ -109,16 +109,18 @@ TARGETS = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.
            "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"], "half link rate": ["hardware.internode_gbps=0.0125"]}
 
 
-@pytest.mark.parametrize("model_extra", [[], ["hardware.comm_cpu_us_per_call=300", "model.routing_imbalance=1.2"]],
-                         ids=["per-byte", "per-call-and-routing-imbalance"])
+@pytest.mark.parametrize("model_extra", [[], ["hardware.comm_cpu_us_per_call=300", "model.routing_imbalance=1.2"],
+                                         ["hardware.comm_wait_us_per_call=1500"]],
+                         ids=["per-byte", "per-call-and-routing-imbalance", "transfers-wait-beside-compute"])
 def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(tmp_path, model_extra):
     """[Note: calibration] is the inverse of the cost model: the ideal trace of a plan made with a
     known profile (link latency and efficiency per lane, CPU cost per transferred byte) calibrates to
     that profile, and the fitted profile predicts the four targets of the shaped-link test as the
     known one plans them, within 1%. Also with a CPU cost per call and a routing imbalance in the
     source's config, which the fit must divide out of what it measured (the expert ops' busiest-rank
-    factor, the calls' share of the compute stretch), not count twice. Deterministic; the measured
-    counterpart is the next test."""
+    factor, the calls' share of the compute stretch), not count twice; and with a wait of transfers
+    beside compute ([Note: a transfer beside compute]), which the fit takes out of their costs.
+    Deterministic; the measured counterpart is the next test."""
     import json
 
     from k3sched import render
@@ -131,8 +133,14 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     source = SMALL + ["hardware.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"] + model_extra
     pj = json.loads(render.dumps_plan(plan(load_config(TINY, source))))
     fit = fit_profile(pj, table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0, 1]})))
-    assert fit.latency_us == pytest.approx({"ep": 700.0, "collective": 300.0}, rel=1e-3)
-    assert fit.link_efficiency == pytest.approx({"ep": 0.6, "collective": 0.8}, rel=1e-3)
+    # with the wait beside compute the plan's transfer durations carry the compute share of the schedule
+    # before the last ([Note: CPU cost of communication]'s two rounds), the fit takes out the share of
+    # the trace's (the last one's): the gradient reductions' latency (2 ring steps, 3 ms of wait at
+    # most against 0.6 ms of latency) is off by up to 15%, the targets still within 1%
+    waits = any(x.startswith("hardware.comm_wait_us_per_call") for x in model_extra)
+    assert fit.latency_us["ep"] == pytest.approx(700.0, rel=0.01 if waits else 1e-3)
+    assert fit.latency_us["collective"] == pytest.approx(300.0, rel=0.15 if waits else 1e-3)
+    assert fit.link_efficiency == pytest.approx({"ep": 0.6, "collective": 0.8}, rel=0.005 if waits else 1e-3)
     assert fit.comm_cpu_ns_per_byte == pytest.approx(5.0, rel=0.1)
     fitted = write_profile(fit, tmp_path / "fitted.yaml")
     for name, extra in {"source": [], **TARGETS}.items():

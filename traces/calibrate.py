@@ -69,7 +69,7 @@ import yaml
 from k3sched.config import ConfigError, config_from_dict
 from k3sched.cost import _EXPERT_KINDS, CostModel, Profile, load_profile
 from k3sched.tasks import Kind
-from traces.join import SEND_OF, TRANSFER_KINDS, RankStages, ranges_by_name, send_of
+from traces.join import SEND_OF, RankStages, ranges_by_name, send_of
 
 PROFILE_FORMAT = "k3sched.profile/1"
 COLLECTIVE_LANES = ("ep", "collective")
@@ -155,6 +155,7 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
         floor = {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
                  if k in Kind._value2member_map_}
         cpu_ns, steal = _cpu_steal(occ, tasks, model, floor)
+        steal.update(_waits_beside_compute(occ, tasks, model))
     stages = RankStages.by_majority([r for r, _ in recorded], [int(tasks[tid]["stage"]) for _, tid in recorded])
     per_task, raw = _costs(tasks, occ, stages, steal)
     fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(stages.stage_of), comm_cpu_ns_per_byte=cpu_ns)
@@ -244,11 +245,11 @@ def _costs(tasks: dict, occ: dict, stages: RankStages, steal: dict) -> tuple[lis
             pr = stages.peer(r, int(tasks[other]["stage"])) if other else None
             o = occ.get((pr, other, k)) if pr is not None else None
             begin = max(s, o[1]) if o else s
-        elif kind in TRANSFER_KINDS or t["lane"] in COLLECTIVE_LANES:
-            begin = s
         else:
-            begin = s + steal.get((r, tid, k), 0.0)  # compute: the transfers' CPU share taken out
-        per_task.append((kind, max(e - begin, MIN_COST_US), int(t.get("bytes") or 0), tid, t.get("layer")))
+            begin = s
+        # compute: the transfers' CPU share taken out; a transfer: its wait for cores beside compute
+        took = steal.get((r, tid, k), 0.0)
+        per_task.append((kind, max(e - begin - took, MIN_COST_US), int(t.get("bytes") or 0), tid, t.get("layer")))
     return per_task, raw
 
 
@@ -361,6 +362,43 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
         us_per_byte = max(0.0, min(us_per_byte, (sum(y) - sum(floors)) / sum(xb)))
     steal = {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
     return us_per_byte * 1e3, steal
+
+
+def _waits_beside_compute(occ: dict, tasks: dict, model: CostModel) -> dict:
+    """Per transfer instance, the time it waited for cores because its rank computed beside it
+    ([Note: a transfer beside compute] in k3sched/planner.py applied to the measured spans): the
+    plan's ``hardware.comm_wait_us_per_call`` per call or ring step, times the share of its span
+    the rank's compute covered. Taken out of its cost before the wire fit, so the fitted latency is
+    the link's and a serial target (no compute beside a transfer) is not charged the wait."""
+    import numpy as np
+
+    from k3sched.metrics import _covered_each, _merge
+
+    if not model.cfg.hardware.comm_wait_us_per_call:
+        return {}
+    busy: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    spans: dict[tuple[int, int], list[tuple[tuple, float, float, float]]] = defaultdict(list)
+    for (r, tid, k), (s, e) in occ.items():
+        t = tasks[tid]
+        if e <= s:
+            continue
+        if t["lane"] == "compute":
+            busy[(r, k)].append((s, e))
+            continue
+        try:
+            wait = model.comm_wait_us(Kind(t["kind"]), t.get("layer"), int(t.get("bytes") or 0))
+        except (ValueError, AssertionError, TypeError):
+            wait = 0.0
+        if wait:
+            spans[(r, k)].append(((r, tid, k), s, e, wait))
+    out = {}
+    for key, rows in spans.items():
+        if key not in busy:
+            continue
+        share = _covered_each(np.array([(s, e) for _, s, e, _ in rows]), _merge(np.array(busy[key], dtype=float)))
+        for (inst, s, e, wait), cov in zip(rows, share):
+            out[inst] = wait * float(cov) / (e - s)
+    return out
 
 
 def _wire(model: CostModel, kind: str, layer, nbytes: int):

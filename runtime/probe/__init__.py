@@ -40,6 +40,9 @@ of the config's ``hardware`` section (:class:`k3sched.config.HardwareConfig`, un
   a computing thread of the same rank, per byte sent and received and per call ([Note: what a call
   costs a computing thread] in ``runtime/probe/collectives.py``); without that measurement, rank
   0's process CPU time per byte in the largest all-to-alls.
+- ``comm_wait_us_per_call`` (CPU only, from the same measurement): how much longer an all-to-all
+  call takes while the GEMM loop runs beside it than alone ([Note: a transfer beside compute] in
+  ``k3sched/planner.py``).
 - With a config: the operator profile ([Note: operator profile] in ``inprocess.py``) and
   ``model.routing_imbalance``, the router's busiest over mean EP rank per dispatch at its initial
   weights (:func:`measure_routing`, [Note: routing imbalance] in ``k3sched/balance.py``).
@@ -73,7 +76,7 @@ import torch
 KiB, MiB = 1 << 10, 1 << 20
 from .collectives import (  # noqa: F401 - the public parts, as runtime.probe.NAME
     CHUNK_S, collective_groups, comm_cpu_fit, comm_cpu_ns_per_byte, launch_workers, link_numbers, measure_collectives,
-    task_time_cv_fit, worker_main)
+    comm_wait_fit, task_time_cv_fit, worker_main)
 from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
@@ -274,6 +277,12 @@ def _probe_links(nproc: int, gpn: int, testbed: Any, knobs: Knobs, timeout_s: fl
                "([Note: what a call costs a computing thread] in runtime/probe/collectives.py)")
         rows.append(Row("comm_cpu_ns_per_byte", f"{cpu_ns:.3g} ns", f"per byte sent + received: {how}"))
         rows.append(Row("comm_cpu_us_per_call", f"{call_us:.3g} µs", "per call: the same fit's intercept"))
+        wait = comm_wait_fit(coll)
+        if wait is not None:
+            hw["comm_wait_us_per_call"] = round(wait, 1)
+            rows.append(Row("comm_wait_us_per_call", f"{wait:.3g} µs", "an all_to_all call's time beside that GEMM "
+                            "loop less its time alone, median over the sizes ([Note: a transfer beside compute] "
+                            "in k3sched/planner.py)"))
         cv = task_time_cv_fit(coll)
         if cv is not None:
             hw["task_time_cv"] = round(cv, 4)
@@ -315,6 +324,7 @@ def _hardware(hw_base, cuda: bool, nproc: int, gpn: int, hw: dict[str, Any]) -> 
         "pcie_gbps": m["pcie_gbps"], "pcie_latency_us": m["pcie_latency_us"], "launch_us": m["launch_us"],
         "optim_ns_per_param": m["optim_ns_per_param"], "host_cores": hw["host_cores"],
         "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"], "comm_cpu_us_per_call": m["comm_cpu_us_per_call"],
+        **({"comm_wait_us_per_call": m["comm_wait_us_per_call"]} if m.get("comm_wait_us_per_call") else {}),
         **({"task_time_cv": m["task_time_cv"]} if m.get("task_time_cv") else {}),
     }
 
@@ -336,6 +346,7 @@ _FIELD_HOW = {
     "host_cores": "os.cpu_count() on CPU (ranks' lanes share them), 0 on CUDA",
     "comm_cpu_ns_per_byte": "measured: compute time lost per byte a concurrent all_to_all sends + receives (CPU)",
     "comm_cpu_us_per_call": "measured: compute time lost per concurrent all_to_all call, beside its bytes (CPU)",
+    "comm_wait_us_per_call": "measured: how much longer an all_to_all call takes beside compute (CPU)",
     "task_time_cv": "measured: std / mean of 5 ms pieces of compute beside all_to_alls (CPU)",
     "device_memory_gb": "not measured",
     "host_memory_gb": "not measured",

@@ -201,6 +201,9 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
 
 CONTENDED_SIZES = (16 * KiB, 256 * KiB, 1 * MiB)
 """All-to-all sizes of the contended measurement ([Note: what a call costs a computing thread])."""
+IDLE_CALLS = 15
+"""Calls timed alone per size in the contended measurement; their median is the call's time alone,
+against which its time beside the GEMM loop gives ``comm_wait_us_per_call`` (:func:`comm_wait_fit`)."""
 CHUNK_S = 0.005
 """Length of the GEMM-loop pieces whose spread the contended measurement also reports: about a
 compute task of the testbed's models (2-12 ms)."""
@@ -253,10 +256,12 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
 
         call()
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(3):
+        alone = []  # each call timed: one slow call among a few must not set the call's time alone
+        for _ in range(IDLE_CALLS):
+            t0 = time.perf_counter()
             call()
-        idle = _agreed((time.perf_counter() - t0) / 3, group, device)
+            alone.append(time.perf_counter() - t0)
+        idle = _agreed(statistics.median(alone), group, device)
         stretch, per_call, chunks = [], [], []
         for _ in range(reps):
             dist.barrier(group=group)
@@ -300,6 +305,18 @@ def task_time_cv_fit(coll: dict) -> float | None:
         rows = [r for r in group.get("contended") or [] if r.get("chunks", 0) > 1]
         if rows:
             return float(statistics.median(r["chunk_cv"] for r in rows))
+    return None
+
+
+def comm_wait_fit(coll: dict) -> float | None:
+    """How much longer one all-to-all call takes while the rank computes beside it (µs): the median
+    over the contended rows of the first group that has them of the call's time beside the GEMM
+    loop less its time alone, at least 0; the planner's ``hardware.comm_wait_us_per_call`` ([Note: a
+    transfer beside compute] in k3sched/planner.py). None without contended rows."""
+    for group in coll.get("groups", {}).values():
+        rows = group.get("contended") or []
+        if rows:
+            return max(0.0, float(statistics.median(r["busy_call_us"] - r["idle_call_us"] for r in rows)))
     return None
 
 
