@@ -18,8 +18,9 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
 Predictions are uncalibrated: compute, launch, AdamW and copy rates and the router's imbalance
 (``model.routing_imbalance``) come from ``k3sched probe`` run once at the start (no testbed), the
 links from the shaped rates and the probe's per-call latency and CPU cost of communication inside
-the testbed, and its spread of compute beside all-to-alls (``hardware.task_time_cv``). Nothing is
-fitted to these runs.
+the testbed, how much longer an all-to-all takes beside compute (``hardware.comm_wait_us_per_call``,
+[Note: a transfer beside compute] in k3sched/planner.py) and its spread of compute beside
+all-to-alls (``hardware.task_time_cv``). Nothing is fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
 EP-bound config predicts four other configs, each then run: twice the micro-batches, serial,
