@@ -39,6 +39,8 @@ class _Prepared:
     comm: list[int]  # the communicator of a pipeline send or receive, -1 for other tasks
     send_of: list[int]  # a pipeline receive's send, -1 for other tasks
     ncomms: int
+    layer: list[int]  # the task's layer, -1 for none
+    vstage: list[int]  # the task's virtual stage (model chunk) in the backbone
 
 
 # [Note: receives in send order] NCCL pairs the k-th send from stage a to stage b with b's k-th
@@ -109,8 +111,10 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
             comm[i] = comm[d] = c
             send_of[i] = d
     feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
+    layer = [-1 if tasks[tid].layer is None else tasks[tid].layer for tid in ids]
+    vstage = [unit[tid][0] for tid in ids]
     return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds, fwd,
-                     comm, send_of, len(comm_ids))
+                     comm, send_of, len(comm_ids), layer, vstage)
 
 
 def _resources(g: StepGraph, prep: _Prepared, serial: bool) -> tuple[list[int], list[int]]:
@@ -128,7 +132,7 @@ def _resources(g: StepGraph, prep: _Prepared, serial: bool) -> tuple[list[int], 
     return res, res_compute
 
 
-def _priority_keys(prep: _Prepared, serial: bool, lag: int) -> list[int]:
+def _priority_keys(prep: _Prepared, serial: bool, lag: int, by_layer: bool = False) -> list[int]:
     """Ready-queue key of every task: backbone slot first (a WGrad task counts ``lag`` slots later
     and loses ties; a background collective yields to everything on its lane), then index."""
     key = []
@@ -140,7 +144,50 @@ def _priority_keys(prep: _Prepared, serial: bool, lag: int) -> list[int]:
         else:
             k = prep.slot[i]
         key.append((2 * k + (1 if prep.wgrad[i] else 0)) * (1 << 22) + i)
+    if by_layer and not serial:  # [Note: the WGrad drain by layer]
+        last: dict[int, int] = {}
+        for i in range(len(prep.ids)):
+            if prep.main[i] and prep.slot[i] < _MAX_SLOT:
+                last[prep.stage[i]] = max(last.get(prep.stage[i], -1), prep.slot[i])
+        drain = [i for i in range(len(prep.ids)) if prep.wgrad[i] and prep.slot[i] < _MAX_SLOT
+                 and prep.slot[i] + lag > last.get(prep.stage[i], _MAX_SLOT)]
+        ready: dict[tuple[int, int, int], int] = {}  # (stage, vstage, layer) -> slot of its last drain WGrad
+        for i in drain:
+            g = (prep.stage[i], prep.vstage[i], prep.layer[i])
+            ready[g] = max(ready.get(g, -1), prep.slot[i])
+        order = sorted(drain, key=lambda i: (ready[(prep.stage[i], prep.vstage[i], prep.layer[i])], -prep.layer[i],
+                                             prep.slot[i], i))
+        for r, i in enumerate(order):
+            key[i] = (2 * (last[prep.stage[i]] + 1) + 1) * (1 << 22) + r
     return key
+
+
+def _drain_by_layer(pipeline: str) -> bool:
+    """Whether the backbone ``pipeline`` drains its WGrad by layer ([Note: the WGrad drain by
+    layer]): the loop-placed, one-copy schedules."""
+    from .pipelines import TABLE
+
+    p = TABLE.get(pipeline)
+    return p is None or (p.placement == "loop" and p.copies == 1)
+
+
+DRAIN_BY_LAYER = True
+"""[Note: the WGrad drain by layer] The WGrad tasks whose lagged slot lies past the stage's last
+backbone slot run in the drain, after every forward and backward of the stage; a layer's gradient
+reduction waits for the WGrad of every micro-batch of that layer. Taken by slot (micro-batch), the
+drain ran each micro-batch's WGrad over all layers before the next one's, so every layer's last
+WGrad came at the very end and its reduction was exposed, one layer after another. Taken by layer,
+highest first (the backward reaches it first; layer numbers are global, so this holds across a
+stage's virtual stages), then by slot, each layer's reduction starts as soon as its WGrad is done and
+runs beside the next layers' WGrad. Only for the loop-placed one-copy schedules (gpipe, 1f1b,
+interleaved-1f1b, zb-h1, zb-h2, pipedream-2bw): on the V-shaped and bidirectional ones (zb-v,
+dualpipev, dualpipe, chimera) the earlier reductions shared the NIC with the cool-down's P2P
+transfers and K2-like's plans came out 0.1-0.7% longer, so they keep the order by slot. Planned step: the EP-bound testbed config of
+benchmarks/bench_overlap.py at comm:compute 0.5 1462.2 -> 1442.9 ms (planned overlap 83% -> 88%),
+K2-like 6666.8 -> 6640.8 ms, DSv3-like 6204.9 -> 6200.1 ms, tiny-cpu 253.22 -> 253.01 ms; measured
+on the first (one k3 run before, two after, 4 steps each): step 1589 -> 1501 and 1568 ms, rank 0's
+overlap 68% -> 76% and 77%. Serial plans keep the plain order. A module flag so that tests can
+compare both orders."""
 
 
 def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t: list[float],
@@ -229,7 +276,7 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
     nstages = g.cfg.parallel.pp
     res, res_compute = _resources(g, prep, serial)
     lag = 0 if serial else wgrad_lag
-    key = _priority_keys(prep, serial, lag)
+    key = _priority_keys(prep, serial, lag, by_layer=DRAIN_BY_LAYER and _drain_by_layer(g.cfg.schedule.pipeline))
     npending = [a + b for a, b in zip(prep.ndeps, prep.nsdeps)]
     unstarted = list(prep.ndeps)  # deps not yet started (for the imminent-P2P rule)
     for i in skip:
