@@ -38,9 +38,10 @@ sampled durations:
 mean step, its 10th and 90th percentiles and, per stage, rank 0's mean comm/compute overlap (the
 share of communication-lane time that overlaps compute, as ``k3sched validate`` measures it).
 This is a prediction of what a run of the *same* lane orders costs; it does not re-plan around the
-spread. Left out: a transfer's own slowdown beside compute (on the 2-core testbed an all-to-all
-after both ranks posted it runs up to ~1.5x its time alone; README, shaped-link table) and the
-start-dependencies of gradient-shard onloads (a start waiting for another's start). Checked against
+spread. A transfer's own slowdown beside compute enters only through its planned duration
+([Note: a transfer beside compute] in k3sched/planner.py: the plan's share of compute beside it,
+not resampled). Left out: the start-dependencies of gradient-shard onloads (a start waiting for
+another's start). Checked against
 the shaped-link testbed's runs in benchmarks/bench_overlap.py and tests/test_variability.py.
 """
 
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .metrics import _covered, _merge
+from .metrics import _covered, _covered_each, _merge
 from .tasks import LANE_OF, LANES, Kind, Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -132,12 +133,11 @@ def _beside_transfers(tl: Sequence[Task], stages: Mapping[int, tuple[np.ndarray,
     for comm_i, comp_i in stages.values():
         comm = _merge(np.array([(tl[i].start_us, tl[i].end_us) for i in comm_i if tl[i].end_us > tl[i].start_us],
                                dtype=float).reshape(-1, 2))
-        if not len(comm):
+        comp = [i for i in comp_i.tolist() if tl[i].end_us > tl[i].start_us]
+        if not len(comm) or not comp:
             continue
-        for i in comp_i.tolist():
-            t = tl[i]
-            if t.end_us > t.start_us:
-                out[i] = _covered(np.array([[t.start_us, t.end_us]]), comm) / (t.end_us - t.start_us)
+        span = np.array([(tl[i].start_us, tl[i].end_us) for i in comp], dtype=float)
+        out.update(zip(comp, (_covered_each(span, comm) / (span[:, 1] - span[:, 0])).tolist()))
     return out
 
 

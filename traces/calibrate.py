@@ -188,21 +188,27 @@ def _spread_beside_transfers(tasks: dict, occ: dict) -> dict[str, float]:
     a transfer ([Note: task-time spread] in k3sched/variability.py)."""
     import numpy as np
 
-    from k3sched.metrics import _covered, _merge
+    from k3sched.metrics import _covered_each, _merge
 
     comm: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
-    for (r, tid, k), (s, e) in occ.items():
-        if tasks[tid]["lane"] in COLLECTIVE_LANES and e > s:
-            comm[(r, k)].append((s, e))
-    merged = {key: _merge(np.array(iv, dtype=float)) for key, iv in comm.items()}
-    spans: dict[str, list[float]] = defaultdict(list)
+    comp: dict[tuple[int, int], list[tuple[str, float, float]]] = defaultdict(list)
     for (r, tid, k), (s, e) in occ.items():
         t = tasks[tid]
-        m = merged.get((r, k))
-        if t["lane"] != "compute" or e <= s or m is None or t["kind"] == Kind.OPTIM.value:
+        if e <= s:
             continue
-        if _covered(np.array([[s, e]]), m) >= SPREAD_MIN_BESIDE * (e - s):
-            spans[t["kind"]].append(e - s)
+        if t["lane"] in COLLECTIVE_LANES:
+            comm[(r, k)].append((s, e))
+        elif t["lane"] == "compute" and t["kind"] != Kind.OPTIM.value:
+            comp[(r, k)].append((t["kind"], s, e))
+    spans: dict[str, list[float]] = defaultdict(list)
+    for key, rows in comp.items():
+        if key not in comm:
+            continue
+        iv = np.array([(s, e) for _, s, e in rows])
+        cov = _covered_each(iv, _merge(np.array(comm[key], dtype=float)))
+        for (kind, s, e), c in zip(rows, cov):
+            if c >= SPREAD_MIN_BESIDE * (e - s):
+                spans[kind].append(e - s)
     return {k: min(10.0, statistics.pstdev(v) / statistics.fmean(v)) for k, v in sorted(spans.items())
             if len(v) > 1 and statistics.fmean(v) > 0}
 
