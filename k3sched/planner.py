@@ -271,7 +271,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     (the lane's, gloo's) sleep between its messages and each wake-up waits for a core the compute
     thread holds, so a call takes ``hardware.comm_wait_us_per_call`` longer while compute runs
     beside it (``k3sched probe`` measures an all-to-all beside a GEMM loop against the same call
-    alone: 1.3-2.0 ms per call in five probes on the 2-core testbed, a sixth to a quarter of an
+    alone: 1.3-2.0 ms per call in eight probes on the 2-core testbed, a sixth to a quarter of an
     8 ms all-to-all). Each transfer is lengthened by that times its calls or ring steps times the
     share of its span the stage's compute overlaps in the last schedule; a serial plan has no
     compute beside a transfer and keeps its durations. Without it the plan put just an
