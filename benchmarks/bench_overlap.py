@@ -125,9 +125,10 @@ def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -
             "expected_us": s.get("expected_step_time_us"), "losses": s["losses"]}
 
 
-def overlap(out: Path) -> tuple[float | None, float | None, float | None]:
+def overlap(out: Path) -> tuple[tuple[float | None, float | None, float | None], tuple[float | None, float | None]]:
     """(planned, expected with the task-time spread, measured) comm/compute overlap of stage 0 /
-    rank 0 from the validation report."""
+    rank 0 from the validation report, and (measured, expected) rank 0's wait for the last rank at
+    the all-to-alls and reductions (µs; [Note: waiting for the last rank] in traces/validate.py)."""
     from traces.chrome import read_trace
     from traces.events import EventTable
     from traces.validate import load_plan, validate
@@ -136,7 +137,9 @@ def overlap(out: Path) -> tuple[float | None, float | None, float | None]:
     ev = EventTable.concat([read_trace(p) for p in sorted(out.glob("trace_rank*.json"))])
     m = validate(plan, ev, cross_rank_clocks=True).metrics
     pl = m["planned_by_stage"][0]
-    return pl["comm_overlap_ratio"], pl.get("expected_comm_overlap_ratio"), m["measured_by_rank"][0]["comm_overlap_ratio"]
+    m0 = m["measured_by_rank"][0]
+    return ((pl["comm_overlap_ratio"], pl.get("expected_comm_overlap_ratio"), m0["comm_overlap_ratio"]),
+            (m0.get("sync_wait_us"), pl.get("expected_sync_wait_us")))
 
 
 def deepspeed(overrides: list[str], steps: int, out: Path) -> float:
@@ -201,7 +204,7 @@ def main() -> None:
             r = {"config": cname, "ratio": ratio, "gbps": gbps}
             for strategy in ("k3", "serial"):
                 r[strategy] = run(cname, ov, strategy, a.steps, base / tag / strategy)
-            r["overlap"] = overlap(base / tag / "k3")
+            r["overlap"], r["sync_wait_us"] = overlap(base / tag / "k3")
             if cname.startswith("ep") and not a.no_deepspeed:
                 r["deepspeed_us"] = deepspeed(ov, a.steps, base / tag / "deepspeed")
             rows.append(r)
@@ -215,7 +218,10 @@ def main() -> None:
                   + (f" | DeepSpeed {r['deepspeed_us'] / 1e3:.1f} ms, k3/DeepSpeed {k3['measured_us'] / r['deepspeed_us']:.3f}"
                      if "deepspeed_us" in r else "")
                   + f" | overlap planned {_pct(r['overlap'][0])} expected {_pct(r['overlap'][1])} "
-                    f"measured {_pct(r['overlap'][2])}", flush=True)
+                    f"measured {_pct(r['overlap'][2])}"
+                  + (f" | rank 0 waited {r['sync_wait_us'][0] / 1e3:.0f} ms for the last rank"
+                     + (f" (expected {r['sync_wait_us'][1] / 1e3:.0f})" if r["sync_wait_us"][1] is not None else "")
+                     if r["sync_wait_us"][0] is not None else ""), flush=True)
     transfer = None
     if not a.no_transfer:
         transfer = calibration_transfer(hw, base / "transfer", a.steps)

@@ -36,7 +36,9 @@ sampled durations:
 
 ``SAMPLES`` samples with a fixed seed (the replay is deterministic for a plan), reporting the
 mean step, its 10th and 90th percentiles and, per stage, rank 0's mean comm/compute overlap (the
-share of communication-lane time that overlaps compute, as ``k3sched validate`` measures it).
+share of communication-lane time that overlaps compute, as ``k3sched validate`` measures it) and
+its mean wait for the last rank at the synchronising transfers (``sync_wait_us``, as ``k3sched
+validate`` measures it: [Note: waiting for the last rank] in traces/validate.py).
 This is a prediction of what a run of the *same* lane orders costs; it does not re-plan around the
 spread. A transfer's own slowdown beside compute enters only through its planned duration
 ([Note: a transfer beside compute] in k3sched/planner.py: the plan's share of compute beside it,
@@ -199,13 +201,16 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
     end = np.zeros((n, S, R))
     start0 = np.zeros((n, S))  # rank 0's starts (its overlap)
     zero = np.zeros((S, R))
+    wait0: dict[int, np.ndarray] = {}  # per stage, rank 0's wait for the last rank, per sample
     for i in order:
         t = tl[i]
         pr = preds[i]
         st = zero if len(pr) == 0 else end[pr[0]] if len(pr) == 1 else end[pr].max(axis=0)
         start0[i] = st[:, 0]  # rank 0 posts here; a collective's span includes its wait for the others
         if t.kind in _SYNC_KINDS and R > 1:
-            st = np.broadcast_to(st.max(axis=1, keepdims=True), (S, R))
+            last = st.max(axis=1)
+            wait0[t.stage] = wait0.get(t.stage, 0.0) + (last - st[:, 0])
+            st = np.broadcast_to(last[:, None], (S, R))
         cv = cvs.get(t.kind, 0.0) * beside.get(i, 0.0)
         if cv <= 0 or t.duration_us <= 0:
             end[i] = st + t.duration_us
@@ -232,4 +237,5 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
             "step_time_us": round(float(steps.mean()), 3),
             "step_time_p10_us": round(float(np.percentile(steps, 10)), 3),
             "step_time_p90_us": round(float(np.percentile(steps, 90)), 3),
-            "comm_overlap_ratio": overlap}
+            "comm_overlap_ratio": overlap,
+            "sync_wait_us": [round(float(np.mean(wait0[s])), 3) if s in wait0 else None for s in stages]}

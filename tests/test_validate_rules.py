@@ -214,3 +214,32 @@ def test_calibration_joins_a_receive_to_its_send_on_the_replica_matched_rank():
     assert fit.task_cost_us[RECV] == pytest.approx(base.task_cost_us[RECV])
     # validation accepts the same early post
     assert validate(PLAN, table_from_runtime(ev), cross_rank_clocks=True).conforms
+
+
+def test_sync_wait_is_the_time_before_the_stage_s_last_rank_posts():
+    """[Note: waiting for the last rank] in traces/validate.py: rank 1 posts an all-to-all late,
+    so rank 0's span of it begins with that wait; the part of the wait beside rank 0's own compute
+    is its covered share. Reported only with comparable clocks and dp = 1."""
+    import copy
+
+    from traces.intervals import overlap_length
+
+    plan = copy.deepcopy(PLAN)
+    plan["config"] = {"parallel": {"pp": 2, "ep": 2, "dp": 1}}
+    task = "s0/mb0/L0/combine.fwd"  # beside mb1's attn.fwd in the plan: its wait is covered
+    ev = copy.deepcopy(_ideal(TWO_PER_STAGE))
+    late = next(e for e in ev if e.get("ph") == "X" and e["name"] == task and e["pid"] == 1)
+    by = late["dur"] / 2
+    late["ts"] += by
+    late["dur"] -= by
+    table = table_from_runtime(ev)
+    m = validate(plan, table, cross_rank_clocks=True).metrics["measured_by_rank"]
+    assert m[0]["sync_wait_us"] == pytest.approx(by)
+    assert m[1]["sync_wait_us"] == 0.0 and m[2]["sync_wait_us"] == 0.0 and m[3]["sync_wait_us"] == 0.0
+    t0 = late["ts"] - by
+    comp = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("ph") == "X" and e["pid"] == 0 and e["cat"] == "compute"]
+    want = overlap_length([t0], [t0 + by], [a for a, _ in comp], [b for _, b in comp])
+    assert 0 < want and m[0]["sync_wait_covered_us"] == pytest.approx(want)
+    assert "sync_wait_us" not in validate(plan, table).metrics["measured_by_rank"][0]  # clocks not comparable
+    plan["config"]["parallel"]["dp"] = 2  # the stage's ranks would be several groups the trace does not name
+    assert "sync_wait_us" not in validate(plan, table, cross_rank_clocks=True).metrics["measured_by_rank"][0]

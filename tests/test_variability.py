@@ -55,9 +55,12 @@ def test_an_all_to_all_starts_at_the_expected_maximum_of_its_ranks():
     got = expected(tasks, lanes, cfg, CostModel(cfg), samples=20000)
     assert got["ranks"] == 2
     assert got["step_time_us"] == pytest.approx(2000 * NormalDist().cdf(sigma / math.sqrt(2)), rel=0.01)
+    # rank 0's wait for the later rank: E[max(X1, X2)] - E[X1] ([Note: waiting for the last rank])
+    assert got["sync_wait_us"] == [pytest.approx(1000 * (2 * NormalDist().cdf(sigma / math.sqrt(2)) - 1), rel=0.03)]
     cfg1, tasks1, lanes1 = _two_task_step(cv, 1)
     one = expected(tasks1, lanes1, cfg1, CostModel(cfg1), samples=20000)
     assert one["ranks"] == 1 and one["step_time_us"] == pytest.approx(1000.0, rel=0.01)
+    assert one["sync_wait_us"] == [None]  # one rank: nothing to wait for
 
 
 def test_without_spread_the_replay_is_the_plan_and_plans_carry_no_expected_block():
@@ -82,6 +85,8 @@ def test_spread_raises_the_step_lowers_the_overlap_and_replays_the_same_each_tim
     exact = expected(p0.tasks, p0.lane_orders, c0, CostModel(c0), samples=1)["comm_overlap_ratio"]
     assert len(e["comm_overlap_ratio"]) == 2
     assert all(0.0 <= got < was for got, was in zip(e["comm_overlap_ratio"], exact))
+    assert all(w > 0 for w in e["sync_wait_us"])  # the ranks drift apart between all-to-alls
+    assert expected(p0.tasks, p0.lane_orders, c0, CostModel(c0), samples=1)["sync_wait_us"] == [0.0, 0.0]
 
 
 def test_a_serial_plan_replays_one_task_at_a_time():

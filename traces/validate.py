@@ -140,9 +140,15 @@ def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANC
     metrics = _metrics(J.P, J.rank, J.task, J.lane, J.start, J.end, J.ranks, J.stages.stage_of, J.P.stages)
     pm = plan.get("metrics") if isinstance(plan, dict) else (plan.metrics.model_dump() if plan.metrics else None)
     exp = ((pm or {}).get("expected") or {}).get("comm_overlap_ratio") or []
+    exp_wait = ((pm or {}).get("expected") or {}).get("sync_wait_us") or []
     for s, d in metrics["planned_by_stage"].items():  # the plan's overlap with its task-time spread, if any
         if s < len(exp):
             d["expected_comm_overlap_ratio"] = exp[s]
+        if s < len(exp_wait) and exp_wait[s] is not None:
+            d["expected_sync_wait_us"] = exp_wait[s]
+    waits = _sync_waits(J, plan)
+    for r, w in waits.items():
+        metrics["measured_by_rank"][r].update(w)
     n_dev = int(J.on_dev.sum())
     metrics.update({"tolerance_us": tolerance_us, "planned_tasks": len(J.P.ids), "matched_instances": int(len(J.task)),
                     "repeated_instances": J.repeats, "ranks": len(J.ranks), "stage_of_rank": J.stages.stage_of,
@@ -188,6 +194,52 @@ def _metrics(P: PlanIndex, rank, task, lane, start, end, ranks, stage_of_rank, s
     return {"step_time_us": {"planned": P.step_time_us,
                              "measured": max((v["span_us"] for v in measured.values()), default=None)},
             "planned_by_stage": planned, "measured_by_rank": measured, "duration_ratio_by_kind": dev}
+
+
+SYNC_KINDS: tuple[str, ...] = ("grad.rs", "grad.mirror")
+"""Collective-lane kinds every rank of a stage runs together (besides every ``ep``-lane kind)."""
+
+
+def _sync_waits(J: rules.Joined, plan) -> dict[int, dict]:
+    """[Note: waiting for the last rank] A synchronising transfer (an all-to-all, a gradient
+    reduction) cannot move its bytes before every rank of its group has posted it, so on a rank that
+    posts early its span begins with a wait for the slowest rank of the moment. The plan's ranks of a
+    stage are identical and cannot show that wait; a run's ranks drift apart (one is preempted, the
+    next all-to-all waits for it). Per rank: ``sync_wait_us``, the time its synchronising transfers
+    spent before the last rank of the stage posted them, and ``sync_wait_covered_us``, how much of
+    that ran beside its own compute. A covered wait is not exposed, but the compute that covered it
+    was placed to cover the transfer's wire time, which then follows uncovered when the transfer's
+    consumer is next: the plan's overlap is lost by up to the covered wait.
+
+    Reported only where the numbers mean that: cross-rank clocks declared comparable, and the plan's
+    ``dp`` is 1 (every rank of a stage is then one EP group and one reduction group; with ``dp`` > 1
+    the stage's ranks form several groups the trace does not name). A task counts only where every
+    traced rank of its stage ran it."""
+    par = ((plan.get("config") if isinstance(plan, dict) else plan.config) or {}).get("parallel") or {}
+    if not J.cross_rank_clocks or par.get("dp") != 1 or not len(J.task):
+        return {}
+    P = J.P
+    lane_name = np.array(P.lanes, dtype=object)[J.lane]
+    kind = np.array(P.kind, dtype=object)[J.task]
+    sync = (lane_name == "ep") | np.isin(kind, SYNC_KINDS)
+    n_stage = np.array([len(J.stages.ranks_of.get(s, [])) for s in range(max(J.stage.max() + 1, 1))])
+    last = np.full(len(P.ids), -np.inf)
+    cnt = np.zeros(len(P.ids), dtype=np.int64)
+    np.maximum.at(last, J.task[sync], J.start[sync])
+    np.add.at(cnt, J.task[sync], 1)
+    ok = sync & (cnt[J.task] == n_stage[J.stage]) & (n_stage[J.stage] > 1)
+    wait_end = np.where(ok, np.minimum(last[J.task], J.end), J.start)
+    ci = P.lanes.index("compute") if "compute" in P.lanes else -1
+    out = {}
+    for r in J.ranks:
+        m = J.rank == r
+        w = m & ok & (wait_end > J.start)
+        if not (m & ok).any():
+            continue
+        comp = m & (J.lane == ci)
+        out[r] = {"sync_wait_us": float(np.sum(wait_end[w] - J.start[w])),
+                  "sync_wait_covered_us": overlap_length(J.start[w], wait_end[w], J.start[comp], J.end[comp])}
+    return out
 
 
 def _device_metrics(J: rules.Joined) -> dict:
@@ -261,6 +313,11 @@ def _render(rep: Report, max_violations: int) -> str:
         busy = "  ".join(f"{ln} {_fmt(mr['busy_us'][ln])}/{_fmt(p.get('busy_us', {}).get(ln))}"
                          for ln in mr["busy_us"] if mr["busy_us"][ln] or p.get("busy_us", {}).get(ln))
         lines.append(f"    busy us measured/planned: {busy}")
+        if mr.get("sync_wait_us"):
+            lines.append(f"    waited {_fmt(mr['sync_wait_us'])} us for the stage's last rank to post its all-to-alls / "
+                         f"reductions ({_fmt(mr['sync_wait_covered_us'])} us of it beside its own compute"
+                         + (f"; expected {_fmt(p['expected_sync_wait_us'])} us with the plan's task-time spread"
+                            if p.get("expected_sync_wait_us") is not None else "") + ")")
     dev = m.get("duration_ratio_by_kind", {})
     if dev:
         worst = sorted(dev.items(), key=lambda kv: -abs(math.log(kv[1])) if kv[1] > 0 else 0)
