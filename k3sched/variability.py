@@ -16,13 +16,13 @@ starts once its dependencies and its lane predecessor have ended, as the executo
 sampled durations:
 
 - every compute-lane task's duration is its planned one times a log-normal factor of mean 1 and
-  coefficient of variation ``cv(kind) x f``: ``cv(kind)`` is the spread of the kind while a
-  transfer runs beside it, the profile's ``time_cv[kind]`` when a calibration measured it, else
-  ``hardware.task_time_cv`` (``k3sched probe`` measures it beside all-to-alls), and ``f`` the share
-  of the task's planned span that a transfer of its stage overlaps in the plan's schedule. The
-  spread is what the transfers' wake-ups, softirqs and cache traffic do to the compute thread, so
-  a task alone (every task of a serial plan) is taken as exact; drawn independently per rank,
-  sample and task;
+  coefficient of variation ``cv(kind)``: the spread of the kind while a transfer runs beside it,
+  the profile's ``time_cv[kind]`` when a calibration measured it, else ``hardware.task_time_cv``
+  (``k3sched probe`` measures it beside all-to-alls); drawn independently per rank, sample and
+  task. The spread is what the transfers' wake-ups, softirqs and cache traffic do to the compute
+  thread. It applies to every compute task of a co-scheduled stage that has transfers, not only
+  to those the plan puts beside one ([Note: spread of a task the plan puts alone]); a serial
+  plan's tasks never run beside a transfer and are taken as exact;
 - the ranks of a stage are replayed side by side (``R = min(ep * dp, 8)`` of them): the plan is
   the same for all of them, but their samples differ, and an all-to-all, a gradient reduction or
   a replica reduction starts only when every rank has posted it (the others wait), which is the
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .metrics import _covered, _covered_each, _merge
+from .metrics import _covered, _merge
 from .tasks import LANE_OF, LANES, Kind, Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,18 +128,28 @@ def _by_stage(tl: Sequence[Task]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
             for s in sorted({t.stage for t in tl})}
 
 
-def _beside_transfers(tl: Sequence[Task], stages: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> dict[int, float]:
-    """Per compute task (by position): the share of its planned span during which a transfer of
-    its stage runs, in the plan's own schedule."""
-    out: dict[int, float] = {}
+def _spread_tasks(tl: Sequence[Task], stages: Mapping[int, tuple[np.ndarray, np.ndarray]], serial: bool) -> set[int]:
+    """[Note: spread of a task the plan puts alone] The compute tasks (by position) whose duration
+    spreads: every one of a stage with a transfer of non-zero duration, in a co-scheduled plan.
+
+    Once a run's ranks drift apart, its transfers no longer land where the plan put them, and on
+    a shared host a rank's compute also shares cores with the other ranks' transfer threads, so a
+    task the plan puts alone spreads too. On the EP-bound testbed config at comm:compute 0.5
+    (benchmarks/bench_overlap.py, AMD EPYC, 2 vCPUs, six k3 runs) the spread between the two ranks
+    of one task (std of the log ratio / sqrt 2) was 0.16-0.29 for the tasks the plan puts alone and
+    0.19-0.33 for those it puts beside a transfer, against 0.36 that the probe measured beside
+    all-to-alls. Spreading only the planned-beside share (the model before) expected a rank to
+    wait 148 ms a step for the other one and an overlap of 80%, against 172-528 ms and 65-80%
+    measured (each rank of each run, [Note: waiting for the last rank] in traces/validate.py);
+    spreading every task of the stage expects 325 ms and 74%, and a step of 3351 ms against
+    medians of 3077-3464 ms measured (3175 before). A serial plan runs one task at a time on every rank,
+    nothing beside a transfer: its tasks stay exact."""
+    if serial:
+        return set()
+    out: set[int] = set()
     for comm_i, comp_i in stages.values():
-        comm = _merge(np.array([(tl[i].start_us, tl[i].end_us) for i in comm_i if tl[i].end_us > tl[i].start_us],
-                               dtype=float).reshape(-1, 2))
-        comp = [i for i in comp_i.tolist() if tl[i].end_us > tl[i].start_us]
-        if not len(comm) or not comp:
-            continue
-        span = np.array([(tl[i].start_us, tl[i].end_us) for i in comp], dtype=float)
-        out.update(zip(comp, (_covered_each(span, comm) / (span[:, 1] - span[:, 0])).tolist()))
+        if any(tl[i].duration_us > 0 for i in comm_i.tolist()):
+            out.update(comp_i.tolist())
     return out
 
 
@@ -196,7 +206,7 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
     S = samples
     cvs = time_cvs(cfg, cost)
     stages = _by_stage(tl)
-    beside = _beside_transfers(tl, stages)
+    spread = _spread_tasks(tl, stages, serial)
     rng = np.random.default_rng(seed)
     end = np.zeros((n, S, R))
     start0 = np.zeros((n, S))  # rank 0's starts (its overlap)
@@ -211,7 +221,7 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
             last = st.max(axis=1)
             wait0[t.stage] = wait0.get(t.stage, 0.0) + (last - st[:, 0])
             st = np.broadcast_to(last[:, None], (S, R))
-        cv = cvs.get(t.kind, 0.0) * beside.get(i, 0.0)
+        cv = cvs.get(t.kind, 0.0) if i in spread else 0.0
         if cv <= 0 or t.duration_us <= 0:
             end[i] = st + t.duration_us
         else:

@@ -23,19 +23,22 @@ TINY = CONFIGS / "tiny-cpu.yaml"
 
 def _two_task_step(cv: float, ep: int):
     """A compute task (1 ms) then the all-to-all that needs it on every EP rank (no wire time);
-    another micro-batch's all-to-all is planned beside the compute task, so all of it is beside a
-    transfer (it takes no time in the replay, which only reads durations and orders)."""
+    another micro-batch's all-to-all (1 us, so the stage has a transfer and its compute spreads)
+    is planned beside the compute task."""
     cfg = load_config(TINY, ["parallel.pp=1", f"parallel.ep={ep}", f"hardware.task_time_cv={cv}"])
     a = Task("s0/mb0/L1/attn.fwd", Kind.ATTN_FWD, "compute", 0, 0, 0, 1, duration_us=1000.0,
              start_us=0.0, end_us=1000.0)
-    c = Task("s0/mb1/L1/combine.fwd", Kind.COMBINE_FWD, "ep", 0, 0, 1, 1, duration_us=0.0, start_us=0.0, end_us=1000.0)
+    c = Task("s0/mb1/L1/combine.fwd", Kind.COMBINE_FWD, "ep", 0, 0, 1, 1, duration_us=1.0, start_us=0.0, end_us=1.0)
     d = Task("s0/mb0/L1/dispatch.fwd", Kind.DISPATCH_FWD, "ep", 0, 0, 0, 1, duration_us=0.0, deps=[a.id],
              start_us=1000.0, end_us=1000.0)
     return cfg, {a.id: a, c.id: c, d.id: d}, {(0, "compute"): [a.id], (0, "ep"): [c.id, d.id]}
 
 
-def test_only_the_share_of_a_task_beside_a_transfer_spreads():
-    from k3sched.variability import _beside_transfers, _by_stage
+def test_every_task_of_a_co_scheduled_stage_with_transfers_spreads():
+    """[Note: spread of a task the plan puts alone]: the task the plan puts beside the transfer and
+    the one it puts alone both spread; a serial plan's tasks, and a stage without a transfer that
+    takes time, stay exact."""
+    from k3sched.variability import _by_stage, _spread_tasks
 
     a = Task("s0/mb0/L1/attn.fwd", Kind.ATTN_FWD, "compute", 0, 0, 0, 1, duration_us=1000.0, start_us=0.0,
              end_us=1000.0)
@@ -43,7 +46,12 @@ def test_only_the_share_of_a_task_beside_a_transfer_spreads():
              end_us=2000.0)
     c = Task("s0/mb1/L1/combine.fwd", Kind.COMBINE_FWD, "ep", 0, 0, 1, 1, duration_us=250.0, start_us=750.0,
              end_us=1000.0)
-    assert _beside_transfers([a, b, c], _by_stage([a, b, c])) == {0: 0.25, 1: 0.0}
+    d = Task("s1/mb0/L2/attn.fwd", Kind.ATTN_FWD, "compute", 1, 0, 0, 2, duration_us=1000.0, start_us=0.0,
+             end_us=1000.0)
+    e = Task("s1/mb1/L2/combine.fwd", Kind.COMBINE_FWD, "ep", 1, 0, 1, 2, duration_us=0.0, start_us=0.0, end_us=0.0)
+    tl = [a, b, c, d, e]
+    assert _spread_tasks(tl, _by_stage(tl), serial=False) == {0, 1}
+    assert _spread_tasks(tl, _by_stage(tl), serial=True) == set()
 
 
 def test_an_all_to_all_starts_at_the_expected_maximum_of_its_ranks():
