@@ -6,9 +6,11 @@ rank its own emulated node), for an EP-bound config (pp 1 x ep 2: all-to-alls) a
 config (pp 2 x ep 1: activation / gradient send-recv), each at three link rates chosen so that
 the planned communication : compute time per rank is about 0.5, 1 and 2:
 
-- k3 (the co-schedule) and serial (one task at a time per rank, [Note: serial execution] in
-  runtime/executor.py), both executed by the runtime; for the EP-bound config also the DeepSpeed-MoE
-  model of ``bench_runtime.py`` (plain autograd, same shapes, same shaped links);
+- k3 (the co-schedule, at the look-ahead and WGrad lag of ``KNOBS`` whose plan is fastest, chosen
+  from the plans alone; ``--config-knobs``: the config's own) and serial (one task at a time per
+  rank, [Note: serial execution] in runtime/executor.py), both executed by the runtime; for the
+  EP-bound config also the DeepSpeed-MoE model of ``bench_runtime.py`` (plain autograd, same
+  shapes, same shaped links);
 - predicted and measured step time, k3 / serial predicted vs measured, planned vs measured
   comm/compute overlap of the k3 run (``traces.validate``: share of communication-lane time that
   overlaps compute, stage 0 / rank 0); beside each prediction the one the plan expects with the
@@ -83,6 +85,27 @@ def probe_hardware(work: Path) -> dict:
 
 def overrides_for(base: list[str], hw: dict, gbps: float) -> list[str]:
     return base + MODEL + [f"{k}={v}" for k, v in hw.items()] + [f"hardware.internode_gbps={gbps:.6g}"]
+
+
+KNOBS = tuple((la, lag) for la in (1, 2, 4) for lag in (4, 8, 16))
+"""(schedule.lookahead, schedule.wgrad_lag) pairs the bench plans for each row (the config's own
+is (1, 4)): knobs of when work runs, not of what is computed, so k3, serial and DeepSpeed still run
+the same model on the same micro-batches."""
+
+
+def fastest_knobs(overrides: list[str]) -> list[str]:
+    """The look-ahead and WGrad lag of ``KNOBS`` whose k3 plan has the shortest planned step (the
+    planner's own prediction; the runs are not consulted)."""
+    from k3sched.config import load_config
+    from k3sched.planner import plan
+
+    best: tuple[float, list[str]] | None = None
+    for la, lag in KNOBS:
+        knobs = [f"schedule.lookahead={la}", f"schedule.wgrad_lag={lag}"]
+        step = plan(load_config(TINY, overrides + knobs), "k3").metrics["step_time_us"]
+        if best is None or step < best[0]:
+            best = (step, knobs)
+    return best[1]
 
 
 def lane_busy_us(plan, stage: int = 0) -> tuple[float, float]:
@@ -178,6 +201,8 @@ def main() -> None:
     ap.add_argument("--no-transfer", action="store_true", help="skip the calibration-transfer rows")
     ap.add_argument("--transfer-only", action="store_true", help="only the calibration-transfer rows")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--config-knobs", action="store_true",
+                    help="run the config's own look-ahead and WGrad lag instead of the fastest planned of KNOBS")
     a = ap.parse_args()
     from runtime.testbed import testbed_available
 
@@ -200,8 +225,10 @@ def main() -> None:
                 print(f"  {cname}: comm:compute {ratio} not reachable (latency alone exceeds it); skipped")
                 continue
             ov = overrides_for(cbase, hw, gbps)
+            knobs = [] if a.config_knobs else fastest_knobs(ov)
+            ov += knobs
             tag = f"{cname.split()[0]}_{ratio:g}"
-            r = {"config": cname, "ratio": ratio, "gbps": gbps}
+            r = {"config": cname, "ratio": ratio, "gbps": gbps, "knobs": knobs}
             for strategy in ("k3", "serial"):
                 r[strategy] = run(cname, ov, strategy, a.steps, base / tag / strategy)
             r["overlap"], r["sync_wait_us"] = overlap(base / tag / "k3")
@@ -209,7 +236,8 @@ def main() -> None:
                 r["deepspeed_us"] = deepspeed(ov, a.steps, base / tag / "deepspeed")
             rows.append(r)
             k3, se = r["k3"], r["serial"]
-            print(f"  {cname} link {gbps * 1e3:.1f} MB/s (comm:compute {ratio:g}): "
+            print(f"  {cname} link {gbps * 1e3:.1f} MB/s (comm:compute {ratio:g}"
+                  + (f"; {' '.join(k.split('.')[1] for k in knobs)}" if knobs else "") + "): "
                   f"k3 {k3['measured_us'] / 1e3:.1f} ms ({_pred(k3)}) | serial {se['measured_us'] / 1e3:.1f} ms "
                   f"({_pred(se)}) | k3/serial measured {k3['measured_us'] / se['measured_us']:.3f} predicted "
                   f"{k3['predicted_us'] / se['predicted_us']:.3f}"
