@@ -141,9 +141,9 @@ def _spread_tasks(tl: Sequence[Task], stages: Mapping[int, tuple[np.ndarray, np.
     all-to-alls. Spreading only the planned-beside share (the model before) expected a rank to
     wait 148 ms a step for the other one and an overlap of 80%, against 172-528 ms and 65-80%
     measured (each rank of each run, [Note: waiting for the last rank] in traces/validate.py);
-    spreading every task of the stage expects 325 ms and 74%, and a step of 3351 ms against
-    medians of 3077-3464 ms measured (3175 before). A serial plan runs one task at a time on every rank,
-    nothing beside a transfer: its tasks stay exact."""
+    spreading every task of the stage expects 325 ms and 74% (on the first run's probe numbers),
+    and a step of 3351 ms against medians of 3077-3464 ms measured (3175 before). A serial plan
+    runs one task at a time on every rank, nothing beside a transfer: its tasks stay exact."""
     if serial:
         return set()
     out: set[int] = set()
