@@ -192,6 +192,7 @@ def _worker_ep(rank: int, world: int) -> dict:
 
 def _worker_deepspeed(rank: int, world: int) -> dict:
     import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 - the module (deepspeed.comm.torch the attribute is torch itself)
     import torch
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE
@@ -199,6 +200,10 @@ def _worker_deepspeed(rank: int, world: int) -> dict:
 
     from moe import LayerCtx, MoEModel, MoEModelArgs, init_full_state
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel on its first
+    # init_distributed (about a minute on a fresh 2-core machine); only inference_all_reduce uses
+    # it, and this test's MoE layer moves its tokens with all-to-alls over gloo.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     group = dist.group.WORLD
 
