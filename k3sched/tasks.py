@@ -124,6 +124,10 @@ LANE_OF: dict[Kind, str] = {
     Kind.ACT_RSERVE: "offload_remote",
 }
 
+SYNC_KINDS = frozenset(k for k in Kind if LANE_OF[k] == "ep") | {Kind.GRAD_RS, Kind.GRAD_MIRROR}
+"""Transfers every rank of a group runs together: none moves a byte before the last rank posts it
+(the replay's drift, [Note: task-time spread] in k3sched/variability.py; the measured wait, [Note:
+waiting for the last rank] in traces/validate.py)."""
 WGRAD_KINDS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP_DW, Kind.HEAD_DW, Kind.EMBED_DW})
 FWD_KINDS = frozenset(
     {Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.SHARED_FWD, Kind.EXPERT_FWD, Kind.COMBINE_FWD,

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .metrics import _covered, _merge
-from .tasks import LANE_OF, LANES, Kind, Task
+from .tasks import LANE_OF, LANES, SYNC_KINDS, Kind, Task
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Config
@@ -69,7 +69,6 @@ SEED = 0
 MAX_RANKS = 8
 """Ranks of a stage replayed side by side at most (the expected maximum of 8 draws is within a few
 percent of that of 16 for the spreads seen)."""
-_SYNC_KINDS = frozenset(k for k in Kind if LANE_OF[k] == "ep") | {Kind.GRAD_RS, Kind.GRAD_MIRROR}
 
 
 def time_cvs(cfg: "Config", cost: "CostModel") -> dict[Kind, float]:
@@ -217,7 +216,7 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
         pr = preds[i]
         st = zero if len(pr) == 0 else end[pr[0]] if len(pr) == 1 else end[pr].max(axis=0)
         start0[i] = st[:, 0]  # rank 0 posts here; a collective's span includes its wait for the others
-        if t.kind in _SYNC_KINDS and R > 1:
+        if t.kind in SYNC_KINDS and R > 1:
             last = st.max(axis=1)
             wait0[t.stage] = wait0.get(t.stage, 0.0) + (last - st[:, 0])
             st = np.broadcast_to(last[:, None], (S, R))

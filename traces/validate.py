@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from k3sched.tasks import COMM_LANES
+from k3sched.tasks import COMM_LANES, SYNC_KINDS
 from traces import rules
 from traces.events import EventTable
 from traces.intervals import merge_intervals, overlap_length, union_length
@@ -196,10 +196,6 @@ def _metrics(P: PlanIndex, rank, task, lane, start, end, ranks, stage_of_rank, s
             "planned_by_stage": planned, "measured_by_rank": measured, "duration_ratio_by_kind": dev}
 
 
-SYNC_KINDS: tuple[str, ...] = ("grad.rs", "grad.mirror")
-"""Collective-lane kinds every rank of a stage runs together (besides every ``ep``-lane kind)."""
-
-
 def _sync_waits(J: rules.Joined, plan) -> dict[int, dict]:
     """[Note: waiting for the last rank] A synchronising transfer (an all-to-all, a gradient
     reduction) cannot move its bytes before every rank of its group has posted it, so on a rank that
@@ -219,9 +215,8 @@ def _sync_waits(J: rules.Joined, plan) -> dict[int, dict]:
     if not J.cross_rank_clocks or par.get("dp") != 1 or not len(J.task):
         return {}
     P = J.P
-    lane_name = np.array(P.lanes, dtype=object)[J.lane]
     kind = np.array(P.kind, dtype=object)[J.task]
-    sync = (lane_name == "ep") | np.isin(kind, SYNC_KINDS)
+    sync = np.isin(kind, [k.value for k in SYNC_KINDS])
     n_stage = np.array([len(J.stages.ranks_of.get(s, [])) for s in range(max(J.stage.max() + 1, 1))])
     last = np.full(len(P.ids), -np.inf)
     cnt = np.zeros(len(P.ids), dtype=np.int64)
