@@ -196,6 +196,20 @@ def test_a_failing_rank_is_one_line():
 
 
 @pytest.mark.slow
+def test_contended_measurement_takes_the_samples_asked_for(tmp_path):
+    """[Note: what a call costs a computing thread]: ``contended_reps`` samples per size (the
+    bench asks for more than the quick probe's 3: the per-byte cost rests on them)."""
+    from runtime.probe import Knobs, comm_cpu_fit, measure_collectives
+
+    assert Knobs.of(True).contended_reps == 3 and Knobs.of(False).contended_reps > 3
+    coll = measure_collectives(2, sizes=(4096, 16384), reps=1, min_s=0.0, timeout_s=120, work_dir=tmp_path,
+                               device="cpu", contended_s=0.05, contended_reps=5)
+    rows = next(g["contended"] for g in coll["groups"].values() if g.get("contended"))
+    assert [len(r["samples_us"]) for r in rows] == [5] * len(rows) and len(rows) == 3
+    assert comm_cpu_fit(coll) is not None
+
+
+@pytest.mark.slow
 def test_emulated_links_hold_the_shaped_rate():
     testbed = pytest.importorskip("runtime.testbed")
     reason = testbed.testbed_available()

@@ -124,14 +124,16 @@ def _mem_gib(key: str) -> float | None:
 
 
 def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None, timeout_s: float = 300.0,
-          work_dir: str | Path | None = None, progress: Callable[[str], None] | None = None) -> ProbeResult:
+          work_dir: str | Path | None = None, progress: Callable[[str], None] | None = None,
+          knobs: Knobs | None = None) -> ProbeResult:
     """Measure this machine (see [Note: what the probe measures]). ``cfg``: a
     :class:`k3sched.config.Config` whose model gives the GEMM shapes and dtype and whose hardware
     section supplies what is not measured (memory sizes, ``gpus_per_node``, name); None: a default
     GEMM and sizes from this machine. ``testbed``: run the collectives in the shaped-link testbed
-    (``runtime/testbed.py``). Raises ProbeError (one line) when a measurement fails."""
+    (``runtime/testbed.py``). ``knobs``: repetitions and loop lengths (default ``Knobs.of(quick)``).
+    Raises ProbeError (one line) when a measurement fails."""
     say = progress or (lambda s: None)
-    knobs = Knobs.of(quick)
+    knobs = knobs or Knobs.of(quick)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     rows: list[Row] = []
@@ -232,7 +234,8 @@ def _probe_links(nproc: int, gpn: int, testbed: Any, knobs: Knobs, timeout_s: fl
     say(f"collectives: {nproc} ranks {where}, {len(knobs.coll_sizes)} sizes")
     coll = measure_collectives(nproc, sizes=knobs.coll_sizes, reps=knobs.coll_reps, min_s=knobs.coll_min_s,
                                timeout_s=timeout_s, testbed=testbed, groups=groups, work_dir=work_dir,
-                               contended_s=knobs.contended_s if device.type == "cpu" else 0.0)
+                               contended_s=knobs.contended_s if device.type == "cpu" else 0.0,
+                               contended_reps=knobs.contended_reps)
     backend = coll.get("backend", "?")
     links: dict[str, tuple[float, float]] = {}
     for name, fits in coll["fits"].items():

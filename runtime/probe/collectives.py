@@ -85,13 +85,15 @@ def launch_workers(nproc: int, worker_args: Sequence[str], out_dir: Path, *, tim
 def measure_collectives(nproc: int, *, sizes: Sequence[int] = COLL_SIZES, reps: int = 5, min_s: float = 0.005,
                         timeout_s: float = 300.0, testbed: Any = None, groups: dict[str, list[int]] | None = None,
                         work_dir: str | Path | None = None, device: str | None = None,
-                        contended_s: float = 0.0) -> dict[str, Any]:
+                        contended_s: float = 0.0, contended_reps: int = 3) -> dict[str, Any]:
     """Launch the collective probe on ``nproc`` ranks and return the ranks' result: ``{"world",
     "backend", "groups": {name: {"ranks": [...], "ops": {op: [{"bytes", "time_us", "algbw_gbps",
     "busbw_gbps", "iters", "samples_us"}]}}}}`` plus ``"fits": {group: {op: Fit}}`` (busbw fits).
     ``groups`` defaults to :func:`collective_groups` (one loopback group). ``testbed``: a
     :class:`runtime.testbed.Testbed` for ``nproc`` ranks, open (the caller closes it) or not yet
-    started (opened around the launch; :class:`runtime.testbed.TestbedError` when refused)."""
+    started (opened around the launch; :class:`runtime.testbed.TestbedError` when refused).
+    ``contended_s`` > 0 (CPU): also the contended measurement, ``contended_reps`` samples per size
+    ([Note: what a call costs a computing thread])."""
     if nproc < 2:
         raise ValueError(f"--nproc: the collective probe needs at least 2 ranks; got {nproc}")
     groups = groups or collective_groups(nproc)
@@ -106,7 +108,7 @@ def measure_collectives(nproc: int, *, sizes: Sequence[int] = COLL_SIZES, reps: 
         stale.unlink(missing_ok=True)
     args = ["--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--reps", str(reps), "--min-s",
             str(min_s), "--timeout", str(max(10.0, timeout_s)), "--groups", json.dumps(groups), "--device", device,
-            "--contended-s", str(contended_s)]
+            "--contended-s", str(contended_s), "--contended-reps", str(contended_reps)]
     # A Testbed not yet started is opened around the launch only (and deleted again on every exit).
     own = testbed is not None and not getattr(testbed, "open", True)
     try:
@@ -353,6 +355,7 @@ def worker_main(argv: Sequence[str]) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--contended-s", type=float, default=0.0,
                     help="CPU: seconds of the GEMM loop of the contended measurement (0: none)")
+    ap.add_argument("--contended-reps", type=int, default=3, help="samples per size of the contended measurement")
     a = ap.parse_args(list(argv))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -381,7 +384,7 @@ def worker_main(argv: Sequence[str]) -> int:
                 result["groups"][name] = {"ranks": ranks, "ops": ops}
                 if a.contended_s > 0 and device.type == "cpu":
                     result["groups"][name]["contended"] = _worker_contended(
-                        handles[name], ranks, rank, CONTENDED_SIZES, a.contended_s, 3, device)
+                        handles[name], ranks, rank, CONTENDED_SIZES, a.contended_s, a.contended_reps, device)
             dist.barrier()
         if rank == 0:
             tmp = a.out / (RESULT_FILE + ".tmp")

@@ -134,13 +134,15 @@ class Knobs:
     coll_reps: int = 5
     coll_min_s: float = 0.005
     contended_s: float = 0.5  # GEMM loop per sample of the contended measurement (CPU; quick too)
+    contended_reps: int = 7  # samples per size of it: the per-byte part rests on the largest size's
+    # few calls a loop (about 50 at 1 MiB on a 50 MB/s link), whose median over 3 moved 1.5 -> 0.2 ns/B
 
     @classmethod
     def of(cls, quick: bool) -> Knobs:
         if not quick:
             return cls()
         return cls(reps=3, min_s=0.002, gemm_target_s=0.005, hbm_bytes_cpu=32 * MiB, hbm_bytes_cuda=256 * MiB,
-                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002)
+                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002, contended_reps=3)
 
 
 # -- compute ---------------------------------------------------------------------------------------
