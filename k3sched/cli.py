@@ -327,6 +327,8 @@ def run(
     config: Path = typer.Argument(..., help="YAML config (sections model, parallel, hardware, schedule)."),
     out: Path = typer.Option(Path("out/run"), help="Output directory: plan.json, trace_rank{R}.json, summary.json."),
     steps: int = typer.Option(3, help="Training steps."),
+    warmup_steps: int = typer.Option(1, help="Steps left out of the summary's measured step time (the median of "
+                                             "the rest)."),
     nproc: Optional[int] = typer.Option(None, help="Local ranks (default: pp*ep*dp of the config; must match)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE (repeatable)."),
     strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
@@ -358,6 +360,7 @@ def run(
     if strategy is not None and strategy not in ("k3", "serial"):
         fail(f"--strategy: must be k3 or serial; got {strategy!r}")
     _number("--steps", steps, ge=1)
+    _number("--warmup-steps", warmup_steps, ge=0)
     _number("--nproc", nproc, ge=1)
     _number("--timeout", timeout, gt=0, unit="seconds")
     if p2p not in ("buffered", "strict"):
@@ -374,7 +377,8 @@ def run(
     raise typer.Exit(run_command(config, list(set_ or []), steps, nproc, out, nsys, strategy, timeout_s=timeout,
                                  emulate_links=emulate_links,
                                  save_every=save_every, save_mode=save_mode, resume=resume, p2p=p2p,
-                                 racecheck=racecheck, drop_deps=list(drop_dep or []), device=device))
+                                 racecheck=racecheck, drop_deps=list(drop_dep or []), device=device,
+                                 warmup_steps=warmup_steps))
 
 
 @command()

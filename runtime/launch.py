@@ -301,7 +301,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
                 quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
                 link_rates: dict | None = None, save_every: int = 0, save_mode: str = "async",
                 resume: str | None = None, p2p: str = "buffered", racecheck: bool = False,
-                drop_deps: list[str] | None = None, device: str | None = None) -> int:
+                drop_deps: list[str] | None = None, device: str | None = None, warmup_steps: int = 1) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
@@ -313,13 +313,19 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     ``p2p``: ``buffered`` or ``strict`` (gloo P2P behaves like NCCL, [Note: strict P2P] in
     runtime/stage/p2p.py). ``racecheck``: run the race detector on every rank ([Note: race detector] in
     runtime/racecheck.py); ``drop_deps``: ``CONSUMER=PRODUCER`` plan dependencies removed before
-    running (checked against the plan). ``device``: cpu, cuda or None (:func:`resolve_device`)."""
+    running (checked against the plan). ``device``: cpu, cuda or None (:func:`resolve_device`).
+    ``warmup_steps``: the first steps left out of the summary's measured step (the median of the rest)."""
     out = Path(out_dir)
     if p2p not in ("buffered", "strict"):
         _err(f"--p2p: must be buffered or strict; got {p2p!r}")
         return 2
     if p2p != "buffered":
         extra_args = [*(extra_args or []), "--p2p", p2p]
+    if warmup_steps < 0:
+        _err(f"--warmup-steps: must be a number of steps >= 0; got {warmup_steps}")
+        return 2
+    if warmup_steps != 1:
+        extra_args = [*(extra_args or []), "--warmup-steps", str(warmup_steps)]
     from runtime.options import RuntimeOptions
 
     try:

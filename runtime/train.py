@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="output directory (plan, traces, summary)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup-steps", type=int, default=1, metavar="N",
+                    help="steps left out of measured_step_time_us (the median of the rest; all when none is left)")
     ap.add_argument("--strategy", choices=["k3", "serial"], default=None, help="default: schedule.strategy")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -521,6 +523,14 @@ def _gather_totals(runner, rc, ckpt, log: _StepLog, first_step: int, rank: int, 
     return mems, race_doc, routing_doc, float(ckpt_s)
 
 
+def steady_step_s(times: list[float], warmup_steps: int) -> float:
+    """The measured step of a run: the median (the upper one of an even count) of the step times
+    after the first ``warmup_steps`` (TCP windows, the allocator and caches still settle there), of
+    all of them when no step is left; 0 without steps."""
+    steady = sorted(times[warmup_steps:] or times)
+    return steady[len(steady) // 2] if steady else 0.0
+
+
 def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, runner, ckpt, log: _StepLog,
              totals, first_step: int, resumed_from) -> dict:
     """summary.json (rank 0)."""
@@ -531,8 +541,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
     M, R, times = p.microbatches, p.ep * p.dp, log.times
     tokens_per_step = M * R * cfg.model.micro_batch_size * cfg.model.seq_len
     predicted_us = float(doc["metrics"]["step_time_us"])
-    steady = sorted(times[1:] or times)
-    measured = steady[len(steady) // 2] if steady else 0.0
+    measured = steady_step_s(times, args.warmup_steps)
     summary = {
         "format": "k3sched.run/1", "config": str(args.config), "overrides": args.overrides,
         "strategy": doc["strategy"], "pipeline": doc["pipeline"], "world": world, "device": s.device.type,
@@ -552,7 +561,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
         "offloaded_sets": doc["metrics"].get("offloaded_sets"),
         "racecheck": race_doc,
-        "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
+        "warmup_steps": args.warmup_steps, "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
         "step_wall_s": log.walls, "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
         "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
     }
@@ -577,7 +586,7 @@ def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory) -
     p = cfg.parallel
     mems, _, routing_doc, _ = totals
     predicted_us = float(doc["metrics"]["step_time_us"])
-    steady = sorted(times[1:] or times)
+    steady = sorted(times[args.warmup_steps:] or times)  # warm-up: TCP windows, allocator, caches
     med_us = (steady[len(steady) // 2] if steady else 0.0) * 1e6
     console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {2 if len(times) > 1 else 1}.."
                   f"{len(times)}), predicted {predicted_us / 1e3:.1f} ms, measured/predicted "

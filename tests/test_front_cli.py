@@ -125,6 +125,7 @@ def test_writable_target_answers(tmp_path):
     (["plan", TINY, "--exact-time-limit", "-1"], "--exact-time-limit"),
     (["plan", TINY, "--exact-time-limit", "nan"], "--exact-time-limit"),
     (["run", TINY, "--steps", "0"], "--steps"),
+    (["run", TINY, "--warmup-steps", "-1"], "--warmup-steps"),
     (["run", TINY, "--nproc", "0"], "--nproc"),
     (["run", TINY, "--timeout", "nan"], "--timeout"),
     (["run", TINY, "--timeout", "-3"], "--timeout"),

@@ -33,9 +33,9 @@ def _run(out: Path, overrides: list[str], steps: int, **kw) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """The tiny config as shipped (PP 2 x EP 2, 4 ranks), 3 steps."""
+    """The tiny config as shipped (PP 2 x EP 2, 4 ranks), 3 steps, the first two warm-up."""
     out = tmp_path_factory.mktemp("tiny")
-    assert _run(out, [], 3) == 0
+    assert _run(out, [], 3, warmup_steps=2) == 0
     return out
 
 
@@ -63,6 +63,20 @@ def test_pp2_ep2_trains_like_the_reference(tiny_run):
     assert summary["losses"][-1] < summary["losses"][0]
     assert summary["predicted_step_time_us"] > 0 and summary["measured_step_time_us"] > 0
     assert len(summary["step_time_s"]) == 3 and len(summary["tokens_per_s"]) == 3
+    # --warmup-steps 2: the measured step is the third one's, not the median of the last two
+    assert summary["warmup_steps"] == 2
+    assert summary["measured_step_time_us"] == pytest.approx(summary["step_time_s"][2] * 1e6, rel=1e-12)
+
+
+def test_steady_step_leaves_out_the_warmup_steps():
+    from runtime.train import steady_step_s
+
+    times = [3.0, 2.2, 1.7, 1.8, 1.6]
+    assert steady_step_s(times, 1) == 1.8  # the upper median of 2.2, 1.7, 1.8, 1.6
+    assert steady_step_s(times, 2) == 1.7
+    assert steady_step_s(times, 0) == 1.8
+    assert steady_step_s(times, 5) == 1.8  # nothing left: every step
+    assert steady_step_s([], 1) == 0.0
 
 
 def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):

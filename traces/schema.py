@@ -164,6 +164,7 @@ class RunSummary(_Strict):
     ep: Optional[Annotated[int, Field(ge=1)]] = None
     microbatches: Optional[Annotated[int, Field(ge=1)]] = None
     steps: Optional[Annotated[int, Field(ge=1)]] = None
+    warmup_steps: Optional[NonNegInt] = None
     seed: Optional[int] = None
     lr: Optional[NonNegFloat] = None
     losses: Optional[list[Annotated[float, Field(allow_inf_nan=True)]]] = None  # a diverged loss is data
