@@ -132,7 +132,14 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
                      "link_efficiency: {ep: 0.6, collective: 0.8}\n")
     source = SMALL + ["hardware.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"] + model_extra
     pj = json.loads(render.dumps_plan(plan(load_config(TINY, source))))
-    fit = fit_profile(pj, table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0, 1]})))
+    table = table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0, 1]}))
+    fit = fit_profile(pj, table)
+    assert not fit.comm_cpu_fitted and fit.comm_cpu_ns_per_byte == 5.0  # the plan's (the probe's): kept
+    # a plan without a measured cost per byte: the regression finds the one the trace was made with
+    blind = json.loads(json.dumps(pj))
+    blind["config"]["hardware"]["comm_cpu_ns_per_byte"] = 0.0
+    refit = fit_profile(blind, table)
+    assert refit.comm_cpu_fitted and refit.comm_cpu_ns_per_byte == pytest.approx(5.0, rel=0.1)
     # with the wait beside compute the plan's transfer durations carry the compute share of the schedule
     # before the last ([Note: CPU cost of communication]'s two rounds), the fit takes out the share of
     # the trace's (the last one's): the gradient reductions' latency (2 ring steps, 3 ms of wait at
@@ -174,6 +181,11 @@ def test_cpu_steal_slope_leaves_compute_no_faster_than_the_probe_measured_it():
     assert floored == pytest.approx((sum(spans) - host_us / 400.0 * 700.0 - 4 * 2000.0) / sum(bytes_in) * 1e3)
     assert floored < 0.9 * free
     assert sum(s - steal[(0, "c", k)] for k, s in enumerate(spans)) == pytest.approx(4 * 2000.0)
+    # a cost per byte the plan already has (the probe measured it) is kept, not fitted
+    kept, steal = _cpu_steal(occ, tasks, model, {"attn.fwd": 2000.0}, known_ns=3.0)
+    assert kept == 3.0
+    for k, (ov, b) in enumerate(zip((0.0, 100.0, 200.0, 400.0), bytes_in)):
+        assert steal[(0, "c", k)] == pytest.approx(3.0e-3 * b + host_us / 400.0 * ov)
 
 
 @pytest.mark.slow
@@ -192,7 +204,9 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
     This 2-core machine's identical runs drift 5-20%, so a new measurement is taken when one
     misses, three at most. A wrong model misses by more: per-kind durations for communication
     miss half the link rate by about 50%. Worst on record (CI, before the CPU-steal slope was
-    bounded by the probe in ``_cpu_steal``): PP 2 x EP 1 at x1.24-1.33 of the source's."""
+    bounded by the probe in ``_cpu_steal``): PP 2 x EP 1 at x1.24-1.33 of the source's. The source
+    plan's CPU cost per byte (the plain probe's here) is kept by the fit, not fitted: first run with
+    it, PP 2 x EP 1 at x0.83 of the source's, the others within 5%."""
     from runtime.testbed import Testbed, testbed_available
 
     why = testbed_available()

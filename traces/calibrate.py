@@ -31,7 +31,9 @@ variable kinds when there are some, else from all of them) so the profile also d
 
 What transfers to other configs. Compute and local-copy kinds get per-kind durations on one core:
 the mean cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
-so a config with more or fewer ranks per node is charged its own sharing. Communication kinds
+so a config with more or fewer ranks per node is charged its own sharing, less the CPU time the
+rank's transfers took from each instance at the source plan's cost per byte (``k3sched probe``
+measures it; fitted only when the plan has none: ``_cpu_steal``). Communication kinds
 (all-to-alls, P2P receives, gradient reductions, remote offload) get no per-kind duration: per
 lane, a least-squares fit of cost - overhead = steps x latency + (bytes / link rate) / efficiency
 over the lane's tasks ([Note: wire model] in k3sched/cost.py) gives ``latency_us[lane]`` and
@@ -93,7 +95,8 @@ class Fit:
     latency_us: dict[str, float] = field(default_factory=dict)       # lane -> µs per call / ring step
     link_efficiency: dict[str, float] = field(default_factory=dict)  # lane -> achieved / configured rate
     overhead_us: dict[str, float] = field(default_factory=dict)      # kept from the plan's profile
-    comm_cpu_ns_per_byte: float | None = None  # fitted CPU cost of a transferred byte (CPU runner)
+    comm_cpu_ns_per_byte: float | None = None  # CPU cost of a transferred byte (CPU runner)
+    comm_cpu_fitted: bool = False           # fitted from the run (else the source plan's, kept)
     time_cv: dict[str, float] = field(default_factory=dict)  # compute kind -> spread beside transfers
     share: float = 1.0                      # [Note: CPU sharing] factor of the source config's compute
     steps_used: int = 0
@@ -151,14 +154,17 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     model = CostModel(cfg, Profile(overhead_us=_plan_profile(plan, "overhead_us"))) if cfg else None
     cpu_ns = None
     steal: dict = {}
+    known = None
     if model is not None and model.cfg.hardware.host_cores:
         floor = {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
                  if k in Kind._value2member_map_}
-        cpu_ns, steal = _cpu_steal(occ, tasks, model, floor)
+        known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: kept
+        cpu_ns, steal = _cpu_steal(occ, tasks, model, floor, known)
         steal.update(_waits_beside_compute(occ, tasks, model))
     stages = RankStages.by_majority([r for r, _ in recorded], [int(tasks[tid]["stage"]) for _, tid in recorded])
     per_task, raw = _costs(tasks, occ, stages, steal)
-    fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(stages.stage_of), comm_cpu_ns_per_byte=cpu_ns)
+    fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(stages.stage_of), comm_cpu_ns_per_byte=cpu_ns,
+              comm_cpu_fitted=cpu_ns is not None and not known)
     by_id: dict[str, list[float]] = defaultdict(list)
     for _, c, _, tid, _ in per_task:
         by_id[tid].append(c)
@@ -311,11 +317,22 @@ def _fit_bandwidths(fit: Fit, cfg, per_task: list, variable: set[str], model: Co
         fit.bandwidth_gbps[lane] = tot_b / tot_t / 1e3  # bytes/us -> GB/s
 
 
-def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = None) -> tuple[float, dict]:
+def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = None,
+               known_ns: float | None = None) -> tuple[float, dict]:
     """Fit the CPU cost of a transferred byte from the run, and return it with, per compute-task
     instance, the CPU time the rank's overlapping transfers took from it ([Note: CPU cost of
     communication] in k3sched/planner.py applied to the measured spans), so that the fitted
     durations are those of an uncontended core.
+
+    ``known_ns``: the cost per byte the source plan already has (``hardware.comm_cpu_ns_per_byte``,
+    which ``k3sched probe`` measures in the testbed as what concurrent all-to-alls cost a computing
+    thread, or a profile's): it is kept and only the per-kind bases are fitted. The slope below is
+    identified only by how much the bytes beside each instance vary, and on the testbed it came out
+    4-5x the probe's (4.8 and 5.7 ns against 0.17 and 1.2 in two bench runs): the kinds that run
+    most beside all-to-alls (the WGrad ops under the WGrad lag) were charged with it and left 25-40%
+    faster than they ever ran, and the PP 2 x EP 1 target measured 1.32x its prediction in both
+    runs; with the probe's cost 1.10x and 1.11x (benchmarks/bench_overlap.py, README). The
+    regression is for plans without a measured cost (0).
 
     Each compute instance's span is regressed on the bytes its rank's transfers moved during it
     (each transfer's bytes spread evenly over its span): span - EP host overhead overlapped =
@@ -355,7 +372,10 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
         xo.append(o)
         y.append(e - s - o)
     if not keys:
-        return 0.0, {}
+        return (known_ns or 0.0), {}
+    if known_ns:
+        us_per_byte = known_ns / 1e3
+        return known_ns, {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
     names = sorted(set(kinds))
     X = np.zeros((len(keys), len(names) + 1))
     for i, kd in enumerate(kinds):
@@ -490,6 +510,17 @@ def _fixed_us(model: CostModel, kind: str, layer, nbytes: int) -> float:
         return 0.0
 
 
+def _plan_cpu_ns(plan: dict, model: CostModel) -> float:
+    """The CPU cost per transferred byte the plan was made with: its profile's (a calibration's)
+    when it has one, else ``hardware.comm_cpu_ns_per_byte`` (``k3sched probe``'s); 0: none."""
+    path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
+    try:
+        fitted = load_profile(path).comm_cpu_ns_per_byte if path else None
+    except ConfigError:
+        fitted = None
+    return float(fitted) if fitted is not None else model.comm_cpu_ns_per_byte()
+
+
 def _plan_profile(plan: dict, field_name: str) -> dict:
     """One field of the plan's own profile (``schedule.profile``) as a dict: ``overhead_us``
     (kept in the fitted profile: they are what the wire fit's fixed part subtracts),
@@ -555,7 +586,8 @@ def render(fit: Fit) -> str:
         how = ('%9.1f' % cost) if cost is not None else ("  (wire) " if k not in fit.by_bandwidth else "  (bw)   ")
         lines.append(f"  {k:<16} {fit.samples[k]:>7}  {how}  ({fit.raw_median_us[k]:.1f})")
     if fit.comm_cpu_ns_per_byte is not None:
-        lines.append(f"CPU per transferred byte (fitted from the compute spans): {fit.comm_cpu_ns_per_byte:.3g} ns")
+        how = "fitted from the compute spans" if fit.comm_cpu_fitted else "the source plan's, kept"
+        lines.append(f"CPU per transferred byte ({how}): {fit.comm_cpu_ns_per_byte:.3g} ns")
     for lane in sorted(fit.latency_us):
         lines.append(f"{lane} wire: latency {fit.latency_us[lane]:.1f} us per call, link efficiency "
                      f"{fit.link_efficiency[lane]:.3f} of the configured rate")
