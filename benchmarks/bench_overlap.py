@@ -25,16 +25,17 @@ the testbed, how much longer an all-to-all takes beside compute (``hardware.comm
 all-to-alls (``hardware.task_time_cv``). Nothing is fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
-EP-bound config predicts four other configs, each then run: twice the micro-batches, serial,
-PP 2 x EP 1, half the link rate.
+EP-bound config (at the knobs the plans pick, as its k3 row) predicts four other configs, each
+then run at the same knobs: twice the micro-batches, serial, PP 2 x EP 1, half the link rate.
 
-Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 4] [--quick] [--out DIR]``
+Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 6] [--quick] [--out DIR]``
 (root, ip and tc needed; about 15 minutes on 2 cores, ``--quick``: one rate per config).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -53,9 +54,19 @@ CONFIGS = {
     "pp-bound (pp 2 x ep 1)": ["parallel.pp=2", "parallel.ep=1"],
 }
 RATIOS = (0.5, 1.0, 2.0)
+WARMUP = 2
+"""Steps of each run left out of its measured step (the median of the rest): on the testbed the
+second step still ran 10-40% slower than the ones after it (an 8-step k3 run: 3338, 2231, 1688,
+1821, 1730, ... ms)."""
 PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param",
           "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte,
 # comm_cpu_us_per_call, comm_wait_us_per_call, task_time_cv
+
+
+CONTENDED_REPS = 9
+"""Samples per size of the probe's contended measurement inside the testbed (the quick probe's 3
+gave 0.17-1.6 ns per byte on one machine within minutes; [Note: what a call costs a computing
+thread] in runtime/probe/collectives.py)."""
 
 
 def probe_hardware(work: Path) -> dict:
@@ -63,7 +74,7 @@ def probe_hardware(work: Path) -> dict:
     no testbed; [Note: operator profile] in runtime/probe/inprocess.py), and the per-call latency of gloo
     inside the testbed (two ranks, one per emulated node)."""
     from k3sched.config import load_config
-    from runtime.probe import probe, write_ops_profile
+    from runtime.probe import Knobs, probe, write_ops_profile
     from runtime.testbed import Testbed
 
     cfg = load_config(TINY, MODEL + list(CONFIGS.values())[0])
@@ -72,7 +83,8 @@ def probe_hardware(work: Path) -> dict:
     out["schedule.profile"] = str(write_ops_profile(res.ops_us, work / "ops.yaml"))
     out["model.routing_imbalance"] = res.routing_imbalance
     tb = Testbed(cfg.hardware, 2, internode_gbps=0.05, gpus_per_node=1)
-    shaped = probe(None, nproc=2, quick=True, testbed=tb, work_dir=work / "probe_tb").hardware
+    knobs = dataclasses.replace(Knobs.of(True), contended_reps=CONTENDED_REPS)
+    shaped = probe(None, nproc=2, quick=True, testbed=tb, work_dir=work / "probe_tb", knobs=knobs).hardware
     out["hardware.internode_latency_us"] = shaped["internode_latency_us"]
     out["hardware.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
     out["hardware.comm_cpu_us_per_call"] = shaped["comm_cpu_us_per_call"]
@@ -140,7 +152,8 @@ def rate_for_ratio(base: list[str], hw: dict, ratio: float) -> float | None:
 def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -> dict:
     from runtime.launch import run_command
 
-    rc = run_command(TINY, overrides, steps, None, out, False, strategy, timeout_s=900, quiet=True, emulate_links=True)
+    rc = run_command(TINY, overrides, steps, None, out, False, strategy, timeout_s=900, quiet=True, emulate_links=True,
+                     warmup_steps=WARMUP)
     if rc != 0:
         raise SystemExit(f"bench_overlap: {name} {strategy} failed with exit {rc}")
     s = json.loads((out / "summary.json").read_text())
@@ -190,12 +203,12 @@ def deepspeed(overrides: list[str], steps: int, out: Path) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"bench_overlap: deepspeed run failed (exit {proc.returncode}): {err[-2000:]}")
     times = json.loads((out / "ds_summary.json").read_text())["step_time_s"]
-    return statistics.median(times[1:] or times) * 1e6
+    return statistics.median(times[WARMUP:] or times) * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="one link rate (comm:compute 1) per config")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-transfer", action="store_true", help="skip the calibration-transfer rows")
@@ -252,25 +265,30 @@ def main() -> None:
                      if r["sync_wait_us"][0] is not None else ""), flush=True)
     transfer = None
     if not a.no_transfer:
-        transfer = calibration_transfer(hw, base / "transfer", a.steps)
+        transfer = calibration_transfer(hw, base / "transfer", a.steps, a.config_knobs)
     (base / "bench_overlap.json").write_text(json.dumps({"hardware": hw, "rows": rows, "transfer": transfer},
                                                         indent=1))
     print(f"  (outputs under {base}; bench took {time.perf_counter() - t0:.0f} s)")
 
 
-def calibration_transfer(hw: dict, out: Path, steps: int) -> dict:
-    """Calibrate from one run of the EP-bound config (link at comm:compute 1), predict four others
-    (``runtime/transfer.py``): twice the micro-batches, serial, PP 2 x EP 1, half the link rate."""
+def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = False) -> dict:
+    """Calibrate from one run of the EP-bound config (link at comm:compute 1, the k3 row's knobs
+    unless ``config_knobs``), predict four others (``runtime/transfer.py``): twice the micro-batches,
+    serial, PP 2 x EP 1, half the link rate; each target keeps the source's knobs."""
     from runtime.transfer import transfer_check
 
     base = list(CONFIGS.values())[0]
     gbps = rate_for_ratio(base, hw, 1.0)
     source = overrides_for(base, hw, gbps)
+    knobs = [] if config_knobs else fastest_knobs(source)
+    source += knobs
     targets = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
                "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"],
                "half link rate": [f"hardware.internode_gbps={gbps / 2:.6g}"]}
-    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out)
-    print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s: residual on the source run {residual:+.3f}"
+    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP)
+    print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s"
+          + (f" ({' '.join(k.split('.')[1] for k in knobs)})" if knobs else "")
+          + f": residual on the source run {residual:+.3f}"
           + (f" (against the expected step with the fitted spread {exp_residual:+.3f})" if exp_residual is not None
              else ""))
     for r in rows:
@@ -278,7 +296,7 @@ def calibration_transfer(hw: dict, out: Path, steps: int) -> dict:
               f"measured/predicted {r.ratio:.3f} (x{r.ratio / (1 + residual):.3f} of the source's)"
               + (f" | expected {r.expected_us / 1e3:8.1f} ms, measured/expected {r.expected_ratio:.3f}"
                  if r.expected_us else ""), flush=True)
-    return {"gbps": gbps, "residual": residual, "expected_residual": exp_residual,
+    return {"gbps": gbps, "knobs": knobs, "residual": residual, "expected_residual": exp_residual,
             "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us,
                       "expected_us": r.expected_us} for r in rows]}
 
