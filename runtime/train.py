@@ -579,16 +579,16 @@ def _expected_fields(doc: dict, measured_us: float) -> dict:
     return {"expected_step_time_us": float(exp), "measured_over_expected": measured_us / float(exp)}
 
 
-def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory) -> None:
+def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory, warmup_steps: int = 1) -> None:
     """Rank 0's closing lines: measured against predicted step time and peak memory, routing imbalance."""
     from runtime.groups import Layout
 
     p = cfg.parallel
     mems, _, routing_doc, _ = totals
     predicted_us = float(doc["metrics"]["step_time_us"])
-    steady = sorted(times[args.warmup_steps:] or times)  # warm-up: TCP windows, allocator, caches
-    med_us = (steady[len(steady) // 2] if steady else 0.0) * 1e6
-    console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {2 if len(times) > 1 else 1}.."
+    med_us = steady_step_s(times, warmup_steps) * 1e6
+    first = warmup_steps + 1 if len(times) > warmup_steps else 1
+    console.print(f"step time: measured {med_us / 1e3:.1f} ms (median of steps {first}.."
                   f"{len(times)}), predicted {predicted_us / 1e3:.1f} ms, measured/predicted "
                   f"{med_us / predicted_us if predicted_us else float('nan'):.3f}")
     exp = _expected_fields(doc, med_us)
@@ -656,7 +656,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
         summary = _summary(args, s, doc, world, ex, runner, ckpt, log, totals, first_step, resumed_from)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if show:
-        _print_totals(console, cfg, doc, log.times, totals, runner.memory)
+        _print_totals(console, cfg, doc, log.times, totals, runner.memory, args.warmup_steps)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
