@@ -36,27 +36,28 @@ class TransferRow:
         return self.measured_us / self.expected_us if self.expected_us else None
 
 
-def _run(config: Path, overrides: list[str], steps: int, out: Path) -> dict:
+def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps: int = 1) -> dict:
     from runtime.launch import run_command
 
-    rc = run_command(config, overrides, steps, None, out, timeout_s=600, quiet=True, emulate_links=True)
+    rc = run_command(config, overrides, steps, None, out, timeout_s=600, quiet=True, emulate_links=True,
+                     warmup_steps=warmup_steps)
     if rc != 0:
         raise RuntimeError(f"run {overrides} failed with exit {rc}")
     return json.loads((out / "summary.json").read_text())
 
 
-def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path
-                   ) -> tuple[float, list[TransferRow], float | None]:
+def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path,
+                   warmup_steps: int = 1) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
-    plan. Returns (the fit's residual on the source run, one row per target, the residual against
+    plan. ``warmup_steps``: the first steps of each run left out of its measured step. Returns (the fit's residual on the source run, one row per target, the residual against
     the expected step with the fitted spread or None)."""
     from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan
 
     src = out / "source"
-    _run(config, source, steps, src)
+    _run(config, source, steps, src, warmup_steps)
     profile = out / "profile.yaml"
     fit = calibrate_files(sorted(str(p) for p in src.glob("trace_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
@@ -64,7 +65,7 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     for name, extra in targets.items():
         ov = source + extra + [f"schedule.profile={profile}"]
         m = plan(load_config(config, ov)).metrics
-        summary = _run(config, ov, steps, out / name.replace(" ", "_"))
+        summary = _run(config, ov, steps, out / name.replace(" ", "_"), warmup_steps)
         rows.append(TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
                                 (m.get("expected") or {}).get("step_time_us")))
     return fit.residual or 0.0, rows, fit.expected_residual
