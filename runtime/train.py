@@ -561,7 +561,8 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
         "offloaded_sets": doc["metrics"].get("offloaded_sets"),
         "racecheck": race_doc,
-        "warmup_steps": args.warmup_steps, "first_step": first_step, "resumed_from": str(resumed_from) if resumed_from else None,
+        "warmup_steps": args.warmup_steps, "first_step": first_step,
+        "resumed_from": str(resumed_from) if resumed_from else None,
         "step_wall_s": log.walls, "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
         "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
     }

@@ -50,8 +50,9 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
                    warmup_steps: int = 1) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
-    plan. ``warmup_steps``: the first steps of each run left out of its measured step. Returns (the fit's residual on the source run, one row per target, the residual against
-    the expected step with the fitted spread or None)."""
+    plan. ``warmup_steps``: the first steps of each run left out of its measured step. Returns (the
+    fit's residual on the source run, one row per target, the residual against the expected step
+    with the fitted spread or None)."""
     from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan

@@ -142,7 +142,8 @@ class Knobs:
         if not quick:
             return cls()
         return cls(reps=3, min_s=0.002, gemm_target_s=0.005, hbm_bytes_cpu=32 * MiB, hbm_bytes_cuda=256 * MiB,
-                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002, contended_reps=3)
+                   copy_sizes=QUICK_COPY_SIZES, coll_sizes=QUICK_COLL_SIZES, coll_reps=3, coll_min_s=0.002,
+                   contended_reps=3)
 
 
 # -- compute ---------------------------------------------------------------------------------------
