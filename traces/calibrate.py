@@ -156,9 +156,9 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     steal: dict = {}
     known = None
     if model is not None and model.cfg.hardware.host_cores:
-        floor = {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
-                 if k in Kind._value2member_map_}
         known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: kept
+        floor = None if known else {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
+                                    if k in Kind._value2member_map_}
         cpu_ns, steal = _cpu_steal(occ, tasks, model, floor, known)
         steal.update(_waits_beside_compute(occ, tasks, model))
     stages = RankStages.by_majority([r for r, _ in recorded], [int(tasks[tid]["stage"]) for _, tid in recorded])
@@ -513,12 +513,18 @@ def _fixed_us(model: CostModel, kind: str, layer, nbytes: int) -> float:
 def _plan_cpu_ns(plan: dict, model: CostModel) -> float:
     """The CPU cost per transferred byte the plan was made with: its profile's (a calibration's)
     when it has one, else ``hardware.comm_cpu_ns_per_byte`` (``k3sched probe``'s); 0: none."""
+    own = _own_profile(plan)
+    fitted = own.comm_cpu_ns_per_byte if own is not None else None
+    return float(fitted) if fitted is not None else model.comm_cpu_ns_per_byte()
+
+
+def _own_profile(plan: dict) -> Profile | None:
+    """The plan's own profile (``schedule.profile``); None without one or when it does not load."""
     path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
     try:
-        fitted = load_profile(path).comm_cpu_ns_per_byte if path else None
+        return load_profile(path) if path else None
     except ConfigError:
-        fitted = None
-    return float(fitted) if fitted is not None else model.comm_cpu_ns_per_byte()
+        return None
 
 
 def _plan_profile(plan: dict, field_name: str) -> dict:
@@ -526,11 +532,8 @@ def _plan_profile(plan: dict, field_name: str) -> dict:
     (kept in the fitted profile: they are what the wire fit's fixed part subtracts),
     ``durations_us`` (the floors of the CPU-steal fit) or ``saved_bytes`` (kept); {} without a
     profile or when it does not load."""
-    path = ((plan.get("config") or {}).get("schedule") or {}).get("profile")
-    try:
-        return dict(getattr(load_profile(path), field_name)) if path else {}
-    except ConfigError:
-        return {}
+    own = _own_profile(plan)
+    return dict(getattr(own, field_name)) if own is not None else {}
 
 
 def write_profile(fit: Fit, path: str | Path, source: str = "") -> Path:
