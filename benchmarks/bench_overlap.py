@@ -151,6 +151,7 @@ def rate_for_ratio(base: list[str], hw: dict, ratio: float) -> float | None:
 
 def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -> dict:
     from runtime.launch import run_command
+    from runtime.transfer import compute_ratios
 
     rc = run_command(TINY, overrides, steps, None, out, False, strategy, timeout_s=900, quiet=True, emulate_links=True,
                      warmup_steps=WARMUP)
@@ -158,7 +159,8 @@ def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -
         raise SystemExit(f"bench_overlap: {name} {strategy} failed with exit {rc}")
     s = json.loads((out / "summary.json").read_text())
     return {"measured_us": s["measured_step_time_us"], "predicted_us": s["predicted_step_time_us"],
-            "expected_us": s.get("expected_step_time_us"), "losses": s["losses"]}
+            "expected_us": s.get("expected_step_time_us"), "losses": s["losses"],
+            "compute": compute_ratios(s, WARMUP)}
 
 
 def overlap(out: Path) -> tuple[tuple[float | None, float | None, float | None], tuple[float | None, float | None]]:
@@ -295,10 +297,11 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
         print(f"    {r.name:<16} predicted {r.predicted_us / 1e3:8.1f} ms  measured {r.measured_us / 1e3:8.1f} ms  "
               f"measured/predicted {r.ratio:.3f} (x{r.ratio / (1 + residual):.3f} of the source's)"
               + (f" | expected {r.expected_us / 1e3:8.1f} ms, measured/expected {r.expected_ratio:.3f}"
-                 if r.expected_us else ""), flush=True)
+                 if r.expected_us else "")
+              + (f" | compute x{r.compute[0]:.2f}-{r.compute[1]:.2f} of planned" if r.compute else ""), flush=True)
     return {"gbps": gbps, "knobs": knobs, "residual": residual, "expected_residual": exp_residual,
             "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us,
-                      "expected_us": r.expected_us} for r in rows]}
+                      "expected_us": r.expected_us, "compute": r.compute} for r in rows]}
 
 
 def _pred(r: dict) -> str:
@@ -306,6 +309,8 @@ def _pred(r: dict) -> str:
     out = f"pred {r['predicted_us'] / 1e3:.1f}, x{r['measured_us'] / r['predicted_us']:.2f}"
     if r.get("expected_us"):
         out += f"; expected {r['expected_us'] / 1e3:.1f}, x{r['measured_us'] / r['expected_us']:.2f}"
+    if r.get("compute"):
+        out += f"; compute x{r['compute'][0]:.2f}-{r['compute'][1]:.2f} of planned"
     return out
 
 

@@ -297,6 +297,7 @@ class _StepLog:
     peaks: list[int] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     routed: list[dict] = field(default_factory=list)  # per step: this rank's routing counts per MoE layer
+    busy: list[list[list[float]]] = field(default_factory=list)  # per step, per rank: busy s per lane (LANES)
     record: object = None
 
 
@@ -459,6 +460,7 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
             loss_t = torch.tensor([math.fsum(float(x[i]) for x in parts) for i in range(len(loss_t))],
                                   dtype=torch.float64)
             dist.all_reduce(time_t, op=dist.ReduceOp.MAX)
+        log.busy.append(_lane_busy(log.record, device))
         losses, dt = [float(x) / (M * R) for x in loss_t], float(time_t)
         loss = losses[-1]
         log.losses.extend(losses)
@@ -473,6 +475,25 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
             ckpt.save(step + 1, runner.data.state() if runner.data is not None else synthetic_state(step + 1))
         log.walls.append(time.perf_counter() - t_wall)
     return log
+
+
+def _lane_busy(record, device) -> list[list[float]]:
+    """Every rank's busy time per lane (s, the sum of its task spans, lanes in ``LANES`` order) in
+    the step ``record`` timed: the compute a rank ran against the plan's, step by step, without its
+    trace (``summary.json``'s ``lane_busy_s``)."""
+    import torch
+    import torch.distributed as dist
+
+    from k3sched.tasks import LANES
+
+    busy = torch.zeros(len(LANES), dtype=torch.float64)
+    for t in record.timings if record is not None else ():
+        busy[LANES.index(t.lane)] += max(0.0, t.end_us - t.start_us) / 1e6
+    if not dist.is_initialized():
+        return [busy.tolist()]
+    parts = [torch.zeros_like(busy).to(device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, busy.to(device))
+    return [x.cpu().tolist() for x in parts]
 
 
 def _write_trace(ex, runner, log: _StepLog, rank: int, out: Path, device, predicted_us: float,
@@ -563,12 +584,25 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         "racecheck": race_doc,
         "warmup_steps": args.warmup_steps, "first_step": first_step,
         "resumed_from": str(resumed_from) if resumed_from else None,
-        "step_wall_s": log.walls, "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
+        "step_wall_s": log.walls, **_busy_fields(doc, log.busy), "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
         "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},
     }
     if routing_doc is not None:
         summary["routing"] = routing_doc
     return summary
+
+
+def _busy_fields(doc: dict, busy: list[list[list[float]]]) -> dict:
+    """``lane_busy_s`` (per lane that has tasks: per rank, per step, the seconds its tasks ran) and
+    ``lane_busy_planned_s`` (per lane: per stage, the plan's sum of task durations)."""
+    from k3sched.tasks import LANES
+
+    planned = {lane: [sum(t["end_us"] - t["start_us"] for t in st["lanes"].get(lane, ())) / 1e6
+                      for st in doc["stages"]] for lane in LANES}
+    used = [i for i, lane in enumerate(LANES) if any(planned[lane]) or any(r[i] for b in busy for r in b)]
+    ranks = len(busy[0]) if busy else 0
+    return {"lane_busy_s": {LANES[i]: [[b[r][i] for b in busy] for r in range(ranks)] for i in used},
+            "lane_busy_planned_s": {LANES[i]: planned[LANES[i]] for i in used}}
 
 
 def _expected_fields(doc: dict, measured_us: float) -> dict:

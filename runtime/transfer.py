@@ -24,6 +24,8 @@ class TransferRow:
     expected_us: float | None = None
     """The plan's expected step with the fitted task-time spread ([Note: task-time spread] in
     k3sched/variability.py); None without one."""
+    compute: tuple[float, float] | None = None
+    """The run's compute against the plan's, (fastest, slowest) rank: :func:`compute_ratios`."""
 
     @property
     def ratio(self) -> float:
@@ -34,6 +36,23 @@ class TransferRow:
     def expected_ratio(self) -> float | None:
         """measured / expected (None without a spread)."""
         return self.measured_us / self.expected_us if self.expected_us else None
+
+
+def compute_ratios(summary: dict, warmup_steps: int = 1) -> tuple[float, float] | None:
+    """Each rank's compute-lane busy time (median over the steps after ``warmup_steps``) over its
+    stage's planned one, (fastest, slowest) rank; from ``summary.json``'s ``lane_busy_s``. Tells a
+    step that missed its prediction because its tasks ran slower than costed (a ratio above 1)
+    from one that waited longer than planned (ratios near 1); None without the fields."""
+    import statistics
+
+    busy = (summary.get("lane_busy_s") or {}).get("compute")
+    planned = (summary.get("lane_busy_planned_s") or {}).get("compute")
+    stage_of = summary.get("stage_of_rank") or [0] * len(busy or ())
+    if not busy or not planned:
+        return None
+    ratios = [statistics.median(steps[warmup_steps:] or steps) / planned[stage_of[r]]
+              for r, steps in enumerate(busy) if steps and planned[stage_of[r]] > 0]
+    return (min(ratios), max(ratios)) if ratios else None
 
 
 def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps: int = 1) -> dict:
@@ -68,5 +87,6 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
         m = plan(load_config(config, ov)).metrics
         summary = _run(config, ov, steps, out / name.replace(" ", "_"), warmup_steps)
         rows.append(TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
-                                (m.get("expected") or {}).get("step_time_us")))
+                                (m.get("expected") or {}).get("step_time_us"),
+                                compute_ratios(summary, warmup_steps)))
     return fit.residual or 0.0, rows, fit.expected_residual

@@ -102,6 +102,39 @@ def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):
             assert ran == [t["id"] for t in ts]
 
 
+
+def test_summary_gives_each_ranks_lane_busy_per_step_as_its_trace_does(tiny_run):
+    """``lane_busy_s``: per lane, rank and step the seconds the rank's tasks ran; the last step's
+    equals the sum of the rank's trace spans (the traced step), and the plan's sums sit beside it."""
+    from traces.schema import RunSummary
+
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    RunSummary.model_validate(summary)
+    plan = json.loads((tiny_run / "plan.json").read_text())
+    busy, planned = summary["lane_busy_s"], summary["lane_busy_planned_s"]
+    assert {"compute", "ep", "collective"} <= set(busy) and set(busy) == set(planned)
+    for lane, per_stage in planned.items():
+        assert per_stage == pytest.approx([sum(t["end_us"] - t["start_us"] for t in st["lanes"][lane]) / 1e6
+                                           for st in plan["stages"]])
+    for lane, ranks in busy.items():
+        assert len(ranks) == 4 and all(len(steps) == 3 for steps in ranks)
+        for rank in range(4):
+            trace = json.loads((tiny_run / f"trace_rank{rank}.json").read_text())
+            spans = sum(e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["lane"] == lane)
+            assert ranks[rank][-1] == pytest.approx(spans / 1e6, abs=1e-6)
+    assert all(s > 0 for steps in busy["compute"] for s in steps)
+
+
+def test_compute_ratios_take_each_ranks_median_steady_step_against_its_stage():
+    from runtime.transfer import compute_ratios
+
+    summary = {"lane_busy_s": {"compute": [[9.0, 2.2, 1.8, 2.0], [9.0, 1.0, 1.2, 1.1], [1.5, 1.5, 1.5, 1.5]]},
+               "lane_busy_planned_s": {"compute": [2.0, 1.0]}, "stage_of_rank": [0, 0, 1]}
+    # rank 0: median of 2.2, 1.8, 2.0 = 2.0 / 2.0; rank 1: 1.1 / 2.0; rank 2 (stage 1): 1.5 / 1.0
+    assert compute_ratios(summary, 1) == pytest.approx((0.55, 1.5))
+    assert compute_ratios(summary, 0)[0] == pytest.approx(1.15 / 2.0)  # warm-up kept: 1.0, 1.1, 1.2, 9.0
+    assert compute_ratios({"lane_busy_s": {}}, 1) is None
+
 def test_failing_rank_stops_every_rank_with_one_clear_line(tmp_path, capfd):
     t0 = time.monotonic()
     rc = _run(tmp_path, ["parallel.pp=2", "parallel.ep=1", "parallel.microbatches=2", "model.seq_len=16",

@@ -179,6 +179,8 @@ class RunSummary(_Strict):
     stage_of_rank: Optional[list[NonNegInt]] = None
     offloaded_sets: Optional[dict[str, NonNegInt]] = None
     testbed: Optional[dict[str, Any]] = None
+    lane_busy_s: Optional[dict[str, list[list[NonNegFloat]]]] = None  # lane -> rank -> step
+    lane_busy_planned_s: Optional[dict[str, list[NonNegFloat]]] = None  # lane -> stage
 
 
 # ---- validation report (k3sched.validation/1) ------------------------------------------
