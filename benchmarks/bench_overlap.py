@@ -26,7 +26,10 @@ all-to-alls (``hardware.task_time_cv``). Nothing is fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
 EP-bound config (at the knobs the plans pick, as its k3 row) predicts four other configs, each
-then run at the same knobs: twice the micro-batches, serial, PP 2 x EP 1, half the link rate.
+then run at the same knobs: twice the micro-batches, serial, PP 2 x EP 1, half the link rate; then
+the source runs once more, and its second measurement over its first says how far the machine's
+speed moved while the targets ran (on the shared 2-core machines the same run has measured 1.25x
+slower within minutes).
 
 Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 6] [--quick] [--out DIR]``
 (root, ip and tc needed; about 15 minutes on 2 cores, ``--quick``: one rate per config).
@@ -277,7 +280,7 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
     """Calibrate from one run of the EP-bound config (link at comm:compute 1, the k3 row's knobs
     unless ``config_knobs``), predict four others (``runtime/transfer.py``): twice the micro-batches,
     serial, PP 2 x EP 1, half the link rate; each target keeps the source's knobs."""
-    from runtime.transfer import transfer_check
+    from runtime.transfer import SOURCE_AGAIN, transfer_check
 
     base = list(CONFIGS.values())[0]
     gbps = rate_for_ratio(base, hw, 1.0)
@@ -287,7 +290,9 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
     targets = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
                "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"],
                "half link rate": [f"hardware.internode_gbps={gbps / 2:.6g}"]}
-    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP)
+    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP, again=True)
+    again = [r for r in rows if r.name == SOURCE_AGAIN]
+    rows = [r for r in rows if r.name != SOURCE_AGAIN]
     print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s"
           + (f" ({' '.join(k.split('.')[1] for k in knobs)})" if knobs else "")
           + f": residual on the source run {residual:+.3f}"
@@ -299,7 +304,12 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
               + (f" | expected {r.expected_us / 1e3:8.1f} ms, measured/expected {r.expected_ratio:.3f}"
                  if r.expected_us else "")
               + (f" | compute x{r.compute[0]:.2f}-{r.compute[1]:.2f} of planned" if r.compute else ""), flush=True)
+    for r in again:
+        print(f"    the source again after the targets: measured {r.measured_us / 1e3:.1f} ms, "
+              f"x{r.ratio / (1 + residual):.3f} of its first run (how far the machine moved while the targets ran)"
+              + (f" | compute x{r.compute[0]:.2f}-{r.compute[1]:.2f} of planned" if r.compute else ""), flush=True)
     return {"gbps": gbps, "knobs": knobs, "residual": residual, "expected_residual": exp_residual,
+            "source_again_us": again[0].measured_us if again else None,
             "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us,
                       "expected_us": r.expected_us, "compute": r.compute} for r in rows]}
 

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+SOURCE_AGAIN = "source again"
+"""Name of :func:`transfer_check`'s last row with ``again``: the source config run once more."""
+
+
 @dataclass
 class TransferRow:
     name: str
@@ -66,12 +70,14 @@ def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps
 
 
 def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path,
-                   warmup_steps: int = 1) -> tuple[float, list[TransferRow], float | None]:
+                   warmup_steps: int = 1, again: bool = False) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
-    plan. ``warmup_steps``: the first steps of each run left out of its measured step. Returns (the
-    fit's residual on the source run, one row per target, the residual against the expected step
-    with the fitted spread or None)."""
+    plan. ``warmup_steps``: the first steps of each run left out of its measured step. ``again``:
+    after the targets, run the source once more (a last row, ``SOURCE_AGAIN``, predicted as the
+    source: its ratio over 1 + the residual is the second measurement over the first, how far the
+    machine moved while the targets ran). Returns (the fit's residual on the source run, one row
+    per target, the residual against the expected step with the fitted spread or None)."""
     from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan
@@ -89,4 +95,8 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
         rows.append(TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
                                 (m.get("expected") or {}).get("step_time_us"),
                                 compute_ratios(summary, warmup_steps)))
+    if again and fit.predicted_us:
+        summary = _run(config, source, steps, out / "source_again", warmup_steps)
+        rows.append(TransferRow(SOURCE_AGAIN, [], fit.predicted_us, float(summary["measured_step_time_us"]),
+                                fit.expected_us, compute_ratios(summary, warmup_steps)))
     return fit.residual or 0.0, rows, fit.expected_residual

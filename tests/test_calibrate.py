@@ -5,6 +5,7 @@ fitted from one run predicts the measured step time of other configs within 10%.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -214,7 +215,7 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
         pytest.skip(f"the shaped-link testbed is not available: {why}")
     from k3sched.config import load_config
     from runtime.probe import comm_cpu_ns_per_byte, measure_collectives, measure_ops_concurrent, write_ops_profile
-    from runtime.transfer import transfer_check
+    from runtime.transfer import SOURCE_AGAIN, transfer_check
 
     cfg = load_config(TINY, SMALL)
     ops = write_ops_profile(measure_ops_concurrent(cfg, 2, work_dir=tmp_path / "ops"), tmp_path / "ops.yaml")
@@ -223,10 +224,17 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
     source = SMALL + [f"schedule.profile={ops}", f"hardware.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}"]
     attempts = []
     for attempt in range(3):  # a new measurement only when the last missed (load outside the test)
-        residual, rows, _ = transfer_check(TINY, source, TARGETS, 4, tmp_path / f"try{attempt}")
+        residual, rows, _ = transfer_check(TINY, source, TARGETS, 4, tmp_path / f"try{attempt}", again=True)
+        assert [r.name for r in rows] == [*TARGETS, SOURCE_AGAIN]
+        again = rows.pop()  # the source config run again after the targets: predicted as the source
+        first = json.loads((tmp_path / f"try{attempt}" / "source" / "summary.json").read_text())
+        first = first["measured_step_time_us"]
+        assert again.predicted_us == pytest.approx(first / (1 + residual)) and again.measured_us > 0
+        assert again.ratio / (1 + residual) == pytest.approx(again.measured_us / first)
         fitted = load_profile(tmp_path / f"try{attempt}" / "profile.yaml")
         relative = {r.name: r.ratio / (1 + residual) for r in rows}
-        info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns); " + "; ".join(
+        info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns; the source again "
+                f"after the targets x{again.measured_us / first:.3f} of its first run); " + "; ".join(
             f"{r.name}: predicted {r.predicted_us / 1e3:.0f} ms, measured {r.measured_us / 1e3:.0f} ms "
             f"(x{r.ratio:.3f}, x{relative[r.name]:.3f} of the source's)" for r in rows))
         print(info)
