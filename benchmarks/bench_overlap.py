@@ -6,14 +6,16 @@ rank its own emulated node), for an EP-bound config (pp 1 x ep 2: all-to-alls) a
 config (pp 2 x ep 1: activation / gradient send-recv), each at three link rates chosen so that
 the planned communication : compute time per rank is about 0.5, 1 and 2:
 
+- k3 and serial runs in the order k3, serial, serial, k3 (``ORDER``; ``--once``: one each), each
+  strategy's measured figures the mean of its runs, DeepSpeed's run in the middle;
 - k3 (the co-schedule, at the look-ahead and WGrad lag of ``KNOBS`` whose plan is fastest, chosen
   from the plans alone; ``--config-knobs``: the config's own) and serial (one task at a time per
   rank, [Note: serial execution] in runtime/executor.py), both executed by the runtime; for the
   EP-bound config also the DeepSpeed-MoE model of ``bench_runtime.py`` (plain autograd, same
   shapes, same shaped links);
 - predicted and measured step time, k3 / serial predicted vs measured, planned vs measured
-  comm/compute overlap of the k3 run (``traces.validate``: share of communication-lane time that
-  overlaps compute, stage 0 / rank 0); beside each prediction the one the plan expects with the
+  comm/compute overlap of the k3 runs (their mean; ``traces.validate``: share of communication-lane
+  time that overlaps compute, stage 0 / rank 0); beside each prediction the one the plan expects with the
   probe's task-time spread (``metrics.expected``, [Note: task-time spread] in
   k3sched/variability.py).
 
@@ -32,7 +34,8 @@ speed moved while the targets ran (on the shared 2-core machines the same run ha
 slower within minutes).
 
 Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 6] [--quick] [--out DIR]``
-(root, ip and tc needed; about 15 minutes on 2 cores, ``--quick``: one rate per config).
+(root, ip and tc needed; about 18 minutes on 2 cores, ``--quick``: one rate per config, ``--once``: one
+k3 and one serial run per row, about 10 minutes).
 """
 
 from __future__ import annotations
@@ -102,6 +105,28 @@ def overrides_for(base: list[str], hw: dict, gbps: float) -> list[str]:
     return base + MODEL + [f"{k}={v}" for k, v in hw.items()] + [f"hardware.internode_gbps={gbps:.6g}"]
 
 
+ORDER = ("k3", "serial", "serial", "k3")
+"""Run order of a row's k3 and serial runs (each strategy's figures the mean of its two): a drift of
+the machine's speed that is linear over the row cancels in the k3 / serial ratio (the shared 2-core
+machines have measured the same run 1.25x slower within minutes)."""
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _mean_run(done: list[dict]) -> dict:
+    """One strategy's runs of a row as one: measured step, measured compute ratios the means; the
+    prediction is the same plan's."""
+    out = dict(done[0])
+    out["measured_us"] = _mean([d["measured_us"] for d in done])
+    out["runs_us"] = [d["measured_us"] for d in done]
+    if all(d.get("compute") for d in done):
+        out["compute"] = tuple(_mean([d["compute"][i] for d in done]) for i in range(2))
+    return out
+
+
 KNOBS = tuple((la, lag) for la in (1, 2, 4) for lag in (4, 8, 16))
 """(schedule.lookahead, schedule.wgrad_lag) pairs the bench plans for each row (the config's own
 is (1, 4)): knobs of when work runs, not of what is computed, so k3, serial and DeepSpeed still run
@@ -168,8 +193,11 @@ def run(name: str, overrides: list[str], strategy: str, steps: int, out: Path) -
 
 def overlap(out: Path) -> tuple[tuple[float | None, float | None, float | None], tuple[float | None, float | None]]:
     """(planned, expected with the task-time spread, measured) comm/compute overlap of stage 0 /
-    rank 0 from the validation report, and (measured, expected) rank 0's wait for the last rank at
-    the all-to-alls and reductions (µs; [Note: waiting for the last rank] in traces/validate.py)."""
+    rank 0: planned and expected from the validation report, measured the median over the steps
+    after the warm-up (``summary.json``'s ``comm_overlap_ratio``; the traced last step's alone moved
+    by up to 12 points between two runs of one row), and (measured, expected) rank 0's wait for
+    the last rank at the all-to-alls and reductions in the traced step (µs; [Note: waiting for the
+    last rank] in traces/validate.py)."""
     from traces.chrome import read_trace
     from traces.events import EventTable
     from traces.validate import load_plan, validate
@@ -179,7 +207,10 @@ def overlap(out: Path) -> tuple[tuple[float | None, float | None, float | None],
     m = validate(plan, ev, cross_rank_clocks=True).metrics
     pl = m["planned_by_stage"][0]
     m0 = m["measured_by_rank"][0]
-    return ((pl["comm_overlap_ratio"], pl.get("expected_comm_overlap_ratio"), m0["comm_overlap_ratio"]),
+    steps = (json.loads((out / "summary.json").read_text()).get("comm_overlap_ratio") or [[]])[0]
+    steady = [x for x in steps[WARMUP:] if x is not None]
+    measured = statistics.median(steady) if steady else m0["comm_overlap_ratio"]
+    return ((pl["comm_overlap_ratio"], pl.get("expected_comm_overlap_ratio"), measured),
             (m0.get("sync_wait_us"), pl.get("expected_sync_wait_us")))
 
 
@@ -219,6 +250,8 @@ def main() -> None:
     ap.add_argument("--no-transfer", action="store_true", help="skip the calibration-transfer rows")
     ap.add_argument("--transfer-only", action="store_true", help="only the calibration-transfer rows")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--once", action="store_true",
+                    help="one k3 and one serial run per row (default: k3, serial, serial, k3, each pair's mean)")
     ap.add_argument("--config-knobs", action="store_true",
                     help="run the config's own look-ahead and WGrad lag instead of the fastest planned of KNOBS")
     a = ap.parse_args()
@@ -247,11 +280,17 @@ def main() -> None:
             ov += knobs
             tag = f"{cname.split()[0]}_{ratio:g}"
             r = {"config": cname, "ratio": ratio, "gbps": gbps, "knobs": knobs}
-            for strategy in ("k3", "serial"):
-                r[strategy] = run(cname, ov, strategy, a.steps, base / tag / strategy)
-            r["overlap"], r["sync_wait_us"] = overlap(base / tag / "k3")
-            if cname.startswith("ep") and not a.no_deepspeed:
-                r["deepspeed_us"] = deepspeed(ov, a.steps, base / tag / "deepspeed")
+            runs = {"k3": [], "serial": []}
+            ds = cname.startswith("ep") and not a.no_deepspeed
+            for i, strategy in enumerate(("k3", "serial") if a.once else ORDER):
+                runs[strategy].append(run(cname, ov, strategy, a.steps, base / tag / f"{strategy}{i or ''}"))
+                if ds and i == (1 if a.once else len(ORDER) // 2 - 1):  # DeepSpeed at the middle of the order
+                    r["deepspeed_us"] = deepspeed(ov, a.steps, base / tag / "deepspeed")
+            for strategy, done in runs.items():
+                r[strategy] = _mean_run(done)
+            ovl = [overlap(base / tag / name) for name in (["k3"] if a.once else ["k3", f"k3{len(ORDER) - 1}"])]
+            r["overlap"] = (ovl[0][0][0], ovl[0][0][1], _mean([o[0][2] for o in ovl]))
+            r["sync_wait_us"] = (_mean([o[1][0] for o in ovl]), ovl[0][1][1])
             rows.append(r)
             k3, se = r["k3"], r["serial"]
             print(f"  {cname} link {gbps * 1e3:.1f} MB/s (comm:compute {ratio:g}"

@@ -479,16 +479,29 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
 
 def _lane_busy(record, device) -> list[list[float]]:
     """Every rank's busy time per lane (s, the sum of its task spans, lanes in ``LANES`` order) in
-    the step ``record`` timed: the compute a rank ran against the plan's, step by step, without its
-    trace (``summary.json``'s ``lane_busy_s``)."""
+    the step ``record`` timed, then the length of its communication lanes' union and the part of it
+    its compute overlaps (s, as ``k3sched validate`` measures a trace's): the compute a rank ran and
+    the overlap it got, step by step, without its trace (``summary.json``'s ``lane_busy_s``,
+    ``comm_overlap_ratio``)."""
+    import numpy as np
     import torch
     import torch.distributed as dist
 
-    from k3sched.tasks import LANES
+    from k3sched.metrics import _covered, _merge
+    from k3sched.tasks import COMM_LANES, LANES
 
-    busy = torch.zeros(len(LANES), dtype=torch.float64)
-    for t in record.timings if record is not None else ():
+    timings = record.timings if record is not None else ()
+    busy = torch.zeros(len(LANES) + 2, dtype=torch.float64)
+    for t in timings:
         busy[LANES.index(t.lane)] += max(0.0, t.end_us - t.start_us) / 1e6
+
+    def union(lanes) -> np.ndarray:
+        return _merge(np.array([(t.start_us, t.end_us) for t in timings if t.lane in lanes and t.end_us > t.start_us],
+                               dtype=float).reshape(-1, 2))
+
+    comm = union(COMM_LANES)
+    busy[len(LANES)] = float((comm[:, 1] - comm[:, 0]).sum()) / 1e6
+    busy[len(LANES) + 1] = _covered(comm, union(("compute",))) / 1e6
     if not dist.is_initialized():
         return [busy.tolist()]
     parts = [torch.zeros_like(busy).to(device) for _ in range(dist.get_world_size())]
@@ -593,16 +606,21 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
 
 
 def _busy_fields(doc: dict, busy: list[list[list[float]]]) -> dict:
-    """``lane_busy_s`` (per lane that has tasks: per rank, per step, the seconds its tasks ran) and
-    ``lane_busy_planned_s`` (per lane: per stage, the plan's sum of task durations)."""
+    """``lane_busy_s`` (per lane that has tasks: per rank, per step, the seconds its tasks ran),
+    ``lane_busy_planned_s`` (per lane: per stage, the plan's sum of task durations) and
+    ``comm_overlap_ratio`` (per rank, per step: the share of its communication lanes' time its
+    compute overlapped; None in a step without communication)."""
     from k3sched.tasks import LANES
 
     planned = {lane: [sum(t["end_us"] - t["start_us"] for t in st["lanes"].get(lane, ())) / 1e6
                       for st in doc["stages"]] for lane in LANES}
     used = [i for i, lane in enumerate(LANES) if any(planned[lane]) or any(r[i] for b in busy for r in b)]
     ranks = len(busy[0]) if busy else 0
+    n = len(LANES)
     return {"lane_busy_s": {LANES[i]: [[b[r][i] for b in busy] for r in range(ranks)] for i in used},
-            "lane_busy_planned_s": {LANES[i]: planned[LANES[i]] for i in used}}
+            "lane_busy_planned_s": {LANES[i]: planned[LANES[i]] for i in used},
+            "comm_overlap_ratio": [[b[r][n + 1] / b[r][n] if b[r][n] > 0 else None for b in busy]
+                                   for r in range(ranks)]}
 
 
 def _expected_fields(doc: dict, measured_us: float) -> dict:

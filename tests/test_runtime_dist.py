@@ -103,9 +103,10 @@ def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):
 
 
 
-def test_summary_gives_each_ranks_lane_busy_per_step_as_its_trace_does(tiny_run):
+def test_summary_gives_each_ranks_lane_busy_and_overlap_per_step_as_its_trace_does(tiny_run):
     """``lane_busy_s``: per lane, rank and step the seconds the rank's tasks ran; the last step's
-    equals the sum of the rank's trace spans (the traced step), and the plan's sums sit beside it."""
+    equals the sum of the rank's trace spans (the traced step), and the plan's sums sit beside it;
+    ``comm_overlap_ratio``: the last step's is the validator's on the trace."""
     from traces.schema import RunSummary
 
     summary = json.loads((tiny_run / "summary.json").read_text())
@@ -123,6 +124,18 @@ def test_summary_gives_each_ranks_lane_busy_per_step_as_its_trace_does(tiny_run)
             spans = sum(e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["lane"] == lane)
             assert ranks[rank][-1] == pytest.approx(spans / 1e6, abs=1e-6)
     assert all(s > 0 for steps in busy["compute"] for s in steps)
+    # the last step's overlap is what the validator measures on the trace
+    from traces.chrome import read_trace
+    from traces.events import EventTable
+    from traces.validate import load_plan, validate
+
+    ev = EventTable.concat([read_trace(tiny_run / f"trace_rank{r}.json") for r in range(4)])
+    measured = validate(load_plan(tiny_run / "plan.json"), ev).metrics["measured_by_rank"]
+    ratios = summary["comm_overlap_ratio"]
+    assert len(ratios) == 4 and all(len(steps) == 3 for steps in ratios)
+    for rank in range(4):
+        assert 0 < ratios[rank][-1] <= 1
+        assert ratios[rank][-1] == pytest.approx(measured[rank]["comm_overlap_ratio"], abs=1e-4)
 
 
 def test_compute_ratios_take_each_ranks_median_steady_step_against_its_stage():

@@ -181,6 +181,7 @@ class RunSummary(_Strict):
     testbed: Optional[dict[str, Any]] = None
     lane_busy_s: Optional[dict[str, list[list[NonNegFloat]]]] = None  # lane -> rank -> step
     lane_busy_planned_s: Optional[dict[str, list[NonNegFloat]]] = None  # lane -> stage
+    comm_overlap_ratio: Optional[list[list[Optional[NonNegFloat]]]] = None  # rank -> step
 
 
 # ---- validation report (k3sched.validation/1) ------------------------------------------
