@@ -297,7 +297,7 @@ class _StepLog:
     peaks: list[int] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     routed: list[dict] = field(default_factory=list)  # per step: this rank's routing counts per MoE layer
-    busy: list[list[list[float]]] = field(default_factory=list)  # per step, per rank: busy s per lane (LANES)
+    busy: list[list[list[float]]] = field(default_factory=list)  # per step, per rank: _lane_busy
     record: object = None
 
 
