@@ -14,10 +14,10 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
   EP-bound config also the DeepSpeed-MoE model of ``bench_runtime.py`` (plain autograd, same
   shapes, same shaped links);
 - predicted and measured step time, k3 / serial predicted vs measured, planned vs measured
-  comm/compute overlap of the k3 runs (their mean; ``traces.validate``: share of communication-lane
-  time that overlaps compute, stage 0 / rank 0); beside each prediction the one the plan expects with the
-  probe's task-time spread (``metrics.expected``, [Note: task-time spread] in
-  k3sched/variability.py).
+  comm/compute overlap of the k3 runs (share of communication-lane time that overlaps compute,
+  stage 0 / rank 0: planned from ``traces.validate``, measured each run's median steady step, the
+  runs' mean); beside each prediction the one the plan expects with the probe's task-time spread
+  (``metrics.expected``, [Note: task-time spread] in k3sched/variability.py).
 
 Predictions are uncalibrated: compute, launch, AdamW and copy rates and the router's imbalance
 (``model.routing_imbalance``) come from ``k3sched probe`` run once at the start (no testbed), the

@@ -480,28 +480,24 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
 def _lane_busy(record, device) -> list[list[float]]:
     """Every rank's busy time per lane (s, the sum of its task spans, lanes in ``LANES`` order) in
     the step ``record`` timed, then the length of its communication lanes' union and the part of it
-    its compute overlaps (s, as ``k3sched validate`` measures a trace's): the compute a rank ran and
+    its compute overlaps (s, with the validator's interval functions): the compute a rank ran and
     the overlap it got, step by step, without its trace (``summary.json``'s ``lane_busy_s``,
     ``comm_overlap_ratio``)."""
-    import numpy as np
     import torch
     import torch.distributed as dist
 
-    from k3sched.metrics import _covered, _merge
     from k3sched.tasks import COMM_LANES, LANES
+    from traces.intervals import overlap_length, union_length
 
     timings = record.timings if record is not None else ()
     busy = torch.zeros(len(LANES) + 2, dtype=torch.float64)
     for t in timings:
         busy[LANES.index(t.lane)] += max(0.0, t.end_us - t.start_us) / 1e6
-
-    def union(lanes) -> np.ndarray:
-        return _merge(np.array([(t.start_us, t.end_us) for t in timings if t.lane in lanes and t.end_us > t.start_us],
-                               dtype=float).reshape(-1, 2))
-
-    comm = union(COMM_LANES)
-    busy[len(LANES)] = float((comm[:, 1] - comm[:, 0]).sum()) / 1e6
-    busy[len(LANES) + 1] = _covered(comm, union(("compute",))) / 1e6
+    comm = [(t.start_us, t.end_us) for t in timings if t.lane in COMM_LANES]
+    comp = [(t.start_us, t.end_us) for t in timings if t.lane == "compute"]
+    busy[len(LANES)] = union_length([a for a, _ in comm], [b for _, b in comm]) / 1e6
+    busy[len(LANES) + 1] = overlap_length([a for a, _ in comm], [b for _, b in comm],
+                                          [a for a, _ in comp], [b for _, b in comp]) / 1e6
     if not dist.is_initialized():
         return [busy.tolist()]
     parts = [torch.zeros_like(busy).to(device) for _ in range(dist.get_world_size())]

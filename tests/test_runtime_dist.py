@@ -102,7 +102,6 @@ def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):
             assert ran == [t["id"] for t in ts]
 
 
-
 def test_summary_gives_each_ranks_lane_busy_and_overlap_per_step_as_its_trace_does(tiny_run):
     """``lane_busy_s``: per lane, rank and step the seconds the rank's tasks ran; the last step's
     equals the sum of the rank's trace spans (the traced step), and the plan's sums sit beside it;
@@ -147,6 +146,7 @@ def test_compute_ratios_take_each_ranks_median_steady_step_against_its_stage():
     assert compute_ratios(summary, 1) == pytest.approx((0.55, 1.5))
     assert compute_ratios(summary, 0)[0] == pytest.approx(1.15 / 2.0)  # warm-up kept: 1.0, 1.1, 1.2, 9.0
     assert compute_ratios({"lane_busy_s": {}}, 1) is None
+
 
 def test_failing_rank_stops_every_rank_with_one_clear_line(tmp_path, capfd):
     t0 = time.monotonic()
