@@ -32,8 +32,8 @@ variable kinds when there are some, else from all of them) so the profile also d
 What transfers to other configs. Compute and local-copy kinds get per-kind durations on one core:
 the mean cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
 so a config with more or fewer ranks per node is charged its own sharing, less the CPU time the
-rank's transfers took from each instance at the source plan's cost per byte (``k3sched probe``
-measures it; fitted only when the plan has none: ``_cpu_steal``). Communication kinds
+rank's transfers took from each instance at a cost per byte fitted from the run, at least the
+source plan's (``k3sched probe`` measures it beside a GEMM loop; ``_cpu_steal``). Communication kinds
 (all-to-alls, P2P receives, gradient reductions, remote offload) get no per-kind duration: per
 lane, a least-squares fit of cost - overhead = steps x latency + (bytes / link rate) / efficiency
 over the lane's tasks ([Note: wire model] in k3sched/cost.py) gives ``latency_us[lane]`` and
@@ -96,7 +96,7 @@ class Fit:
     link_efficiency: dict[str, float] = field(default_factory=dict)  # lane -> achieved / configured rate
     overhead_us: dict[str, float] = field(default_factory=dict)      # kept from the plan's profile
     comm_cpu_ns_per_byte: float | None = None  # CPU cost of a transferred byte (CPU runner)
-    comm_cpu_fitted: bool = False           # fitted from the run (else the source plan's, kept)
+    comm_cpu_fitted: bool = False           # fitted from the run (else the source plan's: the least slope)
     time_cv: dict[str, float] = field(default_factory=dict)  # compute kind -> spread beside transfers
     share: float = 1.0                      # [Note: CPU sharing] factor of the source config's compute
     steps_used: int = 0
@@ -156,15 +156,13 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     steal: dict = {}
     known = None
     if model is not None and model.cfg.hardware.host_cores:
-        known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: kept
-        floor = None if known else {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
-                                    if k in Kind._value2member_map_}
-        cpu_ns, steal = _cpu_steal(occ, tasks, model, floor, known)
+        known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: the least slope
+        cpu_ns, steal = _cpu_steal(occ, tasks, model, known)
         steal.update(_waits_beside_compute(occ, tasks, model))
     stages = RankStages.by_majority([r for r, _ in recorded], [int(tasks[tid]["stage"]) for _, tid in recorded])
     per_task, raw = _costs(tasks, occ, stages, steal)
     fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(stages.stage_of), comm_cpu_ns_per_byte=cpu_ns,
-              comm_cpu_fitted=cpu_ns is not None and not known)
+              comm_cpu_fitted=cpu_ns is not None and cpu_ns != (known or 0.0))
     by_id: dict[str, list[float]] = defaultdict(list)
     for _, c, _, tid, _ in per_task:
         by_id[tid].append(c)
@@ -317,36 +315,37 @@ def _fit_bandwidths(fit: Fit, cfg, per_task: list, variable: set[str], model: Co
         fit.bandwidth_gbps[lane] = tot_b / tot_t / 1e3  # bytes/us -> GB/s
 
 
-def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = None,
-               known_ns: float | None = None) -> tuple[float, dict]:
+def _cpu_steal(occ: dict, tasks: dict, model: CostModel, known_ns: float | None = None) -> tuple[float, dict]:
     """Fit the CPU cost of a transferred byte from the run, and return it with, per compute-task
     instance, the CPU time the rank's overlapping transfers took from it ([Note: CPU cost of
     communication] in k3sched/planner.py applied to the measured spans), so that the fitted
     durations are those of an uncontended core.
-
-    ``known_ns``: the cost per byte the source plan already has (``hardware.comm_cpu_ns_per_byte``,
-    which ``k3sched probe`` measures in the testbed as what concurrent all-to-alls cost a computing
-    thread, or a profile's): it is kept and only the per-kind bases are fitted. The slope below is
-    identified only by how much the bytes beside each instance vary, and on the testbed it came out
-    4-5x the probe's (4.8 and 5.7 ns against 0.17 and 1.2 in two bench runs): the kinds that run
-    most beside all-to-alls (the WGrad ops under the WGrad lag) were charged with it and left 25-40%
-    faster than they ever ran, and the PP 2 x EP 1 target measured 1.32x its prediction in both
-    runs; with the probe's cost 1.10x and 1.11x (benchmarks/bench_overlap.py, README). The
-    regression is for plans without a measured cost (0).
 
     Each compute instance's span is regressed on the bytes its rank's transfers moved during it
     (each transfer's bytes spread evenly over its span): span - EP host overhead overlapped =
     base[kind] + ns_per_byte x bytes (least squares, ns_per_byte >= 0). Transfers that overlap
     more compute in one config than another then cost what they cost here.
 
-    ``floor``: kind -> µs of the op measured with every core computing and nothing transferred (the
-    plan's own profile: ``k3sched probe``'s operator profile, times the source's CPU sharing). The
-    slope is identified only by how much the overlapped bytes vary within a kind, which on a noisy
-    shared machine can be little, so a least-squares slope can charge transfers with slowdowns they
-    did not cause and leave the ops faster than they ever ran alone. The slope is lowered until the
-    compute instances' bases together are no less than their floors together: (sum of spans - sum
-    of floors) / sum of overlapped bytes (for a fixed slope the best base of a kind is its mean
-    residual). Together, not per kind: an expert op's work depends on the routing of the moment."""
+    ``known_ns``: the cost per byte the source plan already has (``hardware.comm_cpu_ns_per_byte``,
+    which ``k3sched probe`` measures in the testbed as what concurrent all-to-alls cost a GEMM loop,
+    or a profile's): the least slope. The model's ops are shorter and many, with Python between
+    them, and lose more to a transfer's threads than the probe's GEMM: on the 2-core testbed the
+    EP-bound source's compute ran 1.19x the operator profile beside all-to-alls, the same ops 0.88x
+    in the serial target and 1.03x at half the link rate (half the bytes per second: what a cost
+    per byte predicts), while the probe's 0.66 ns per byte accounts for a tenth of the difference.
+    Keeping the probe's slope (as the fit did until 2026-12-03) left the bases 15-25% long: in two
+    bench runs (benchmarks/bench_overlap.py --transfer-only) the serial and PP 2 x EP 1 targets
+    measured 0.83-0.91 and 0.87-0.88 of their expected steps, three and one of the four targets
+    within 10%; the same runs' source traces with the fitted slope (4.2 and 5.9 ns): four and three
+    of four, serial 0.91-0.97, PP 2 x EP 1 0.98-1.02.
+
+    Nothing else bounds the slope: the fit depends on the source run alone. A bound by the probe's
+    operator profile (bases together no faster than the probe measured the ops) carries the
+    machine's speed at the probe's moment, which on these machines differs from the source's by
+    10% and more: in a third run (the probe's GEMM rate 10% below the other two runs') it lowered
+    the slope from 4.7 to 2.1 ns and PP 2 x EP 1 from 0.97 to 0.89 of its expected step. Fitted
+    slopes of 4.8 and 5.7 ns once left PP 2 x EP 1 at 1.32x its prediction (README, before the wait
+    of a transfer beside compute was taken out of the fitted costs)."""
     import numpy as np
 
     comm: dict[tuple[int, int], list[tuple[float, float, float, float]]] = defaultdict(list)
@@ -373,19 +372,13 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
         y.append(e - s - o)
     if not keys:
         return (known_ns or 0.0), {}
-    if known_ns:
-        us_per_byte = known_ns / 1e3
-        return known_ns, {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
     names = sorted(set(kinds))
     X = np.zeros((len(keys), len(names) + 1))
     for i, kd in enumerate(kinds):
         X[i, names.index(kd)] = 1.0
     X[:, -1] = xb
     coef, *_ = np.linalg.lstsq(X, np.array(y), rcond=None)
-    us_per_byte = max(0.0, float(coef[-1]))
-    floors = [floor.get(kd) for kd in kinds] if floor else []
-    if floors and all(f is not None for f in floors) and sum(xb) > 0:
-        us_per_byte = max(0.0, min(us_per_byte, (sum(y) - sum(floors)) / sum(xb)))
+    us_per_byte = max(float(coef[-1]), (known_ns or 0.0) / 1e3, 0.0)
     steal = {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
     return us_per_byte * 1e3, steal
 
@@ -529,9 +522,8 @@ def _own_profile(plan: dict) -> Profile | None:
 
 def _plan_profile(plan: dict, field_name: str) -> dict:
     """One field of the plan's own profile (``schedule.profile``) as a dict: ``overhead_us``
-    (kept in the fitted profile: they are what the wire fit's fixed part subtracts),
-    ``durations_us`` (the floors of the CPU-steal fit) or ``saved_bytes`` (kept); {} without a
-    profile or when it does not load."""
+    (kept in the fitted profile: they are what the wire fit's fixed part subtracts) or
+    ``saved_bytes`` (kept); {} without a profile or when it does not load."""
     own = _own_profile(plan)
     return dict(getattr(own, field_name)) if own is not None else {}
 
@@ -589,7 +581,7 @@ def render(fit: Fit) -> str:
         how = ('%9.1f' % cost) if cost is not None else ("  (wire) " if k not in fit.by_bandwidth else "  (bw)   ")
         lines.append(f"  {k:<16} {fit.samples[k]:>7}  {how}  ({fit.raw_median_us[k]:.1f})")
     if fit.comm_cpu_ns_per_byte is not None:
-        how = "fitted from the compute spans" if fit.comm_cpu_fitted else "the source plan's, kept"
+        how = "fitted from the compute spans" if fit.comm_cpu_fitted else "the source plan's, the least the fit allows"
         lines.append(f"CPU per transferred byte ({how}): {fit.comm_cpu_ns_per_byte:.3g} ns")
     for lane in sorted(fit.latency_us):
         lines.append(f"{lane} wire: latency {fit.latency_us[lane]:.1f} us per call, link efficiency "
