@@ -28,10 +28,12 @@ all-to-alls (``hardware.task_time_cv``). Nothing is fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
 EP-bound config (at the knobs the plans pick, as its k3 row) predicts four other configs, each
-then run at the same knobs: twice the micro-batches, serial, PP 2 x EP 1, half the link rate; then
-the source runs once more, and its second measurement over its first says how far the machine's
-speed moved while the targets ran (on the shared 2-core machines the same run has measured 1.25x
-slower within minutes).
+then run at the same knobs: twice the micro-batches, serial, PP 2 x EP 1, half the link rate. The
+source runs again after each target ([Note: bracketed transfer] in runtime/transfer.py): beside each
+target's measured / expected, its prediction against the source's with the source runs just before
+and after it as the machine of the moment (on the shared 2-core machines the same run has measured
+1.25x slower within minutes); the last source run over the first says how far the machine moved
+while the targets ran.
 
 Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 6] [--quick] [--out DIR]``
 (root, ip and tc needed; about 18 minutes on 2 cores, ``--quick``: one rate per config, ``--once``: one
@@ -329,7 +331,7 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
     targets = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
                "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"],
                "half link rate": [f"hardware.internode_gbps={gbps / 2:.6g}"]}
-    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP, again=True)
+    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP, bracket=True)
     again = [r for r in rows if r.name == SOURCE_AGAIN]
     rows = [r for r in rows if r.name != SOURCE_AGAIN]
     print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s"
@@ -342,7 +344,9 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
               f"measured/predicted {r.ratio:.3f} (x{r.ratio / (1 + residual):.3f} of the source's)"
               + (f" | expected {r.expected_us / 1e3:8.1f} ms, measured/expected {r.expected_ratio:.3f}"
                  if r.expected_us else "")
-              + (f" | compute x{r.compute[0]:.2f}-{r.compute[1]:.2f} of planned" if r.compute else ""), flush=True)
+              + (f" | compute x{r.compute[0]:.2f}-{r.compute[1]:.2f} of planned" if r.compute else "")
+              + (f" | against the source runs beside it x{r.bracketed_ratio:.3f}" if r.bracketed_ratio else ""),
+              flush=True)
     for r in again:
         print(f"    the source again after the targets: measured {r.measured_us / 1e3:.1f} ms, "
               f"x{r.ratio / (1 + residual):.3f} of its first run (how far the machine moved while the targets ran)"
@@ -350,7 +354,9 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
     return {"gbps": gbps, "knobs": knobs, "residual": residual, "expected_residual": exp_residual,
             "source_again_us": again[0].measured_us if again else None,
             "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us,
-                      "expected_us": r.expected_us, "compute": r.compute} for r in rows]}
+                      "expected_us": r.expected_us, "compute": r.compute, "source_around_us": r.source_around_us,
+                      "source_predicted_us": r.source_predicted_us, "bracketed_ratio": r.bracketed_ratio}
+                     for r in rows]}
 
 
 def _pred(r: dict) -> str:

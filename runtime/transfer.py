@@ -30,6 +30,11 @@ class TransferRow:
     k3sched/variability.py); None without one."""
     compute: tuple[float, float] | None = None
     """The run's compute against the plan's, (fastest, slowest) rank: :func:`compute_ratios`."""
+    source_around_us: float | None = None
+    """With ``bracket``: the mean measured step of the source runs just before and just after this
+    one ([Note: bracketed transfer])."""
+    source_predicted_us: float | None = None
+    """With ``bracket``: the source config's step as the fitted profile plans it."""
 
     @property
     def ratio(self) -> float:
@@ -40,6 +45,15 @@ class TransferRow:
     def expected_ratio(self) -> float | None:
         """measured / expected (None without a spread)."""
         return self.measured_us / self.expected_us if self.expected_us else None
+
+    @property
+    def bracketed_ratio(self) -> float | None:
+        """(measured / the source runs beside it) / (predicted / the source's predicted): how well
+        the fitted profile predicts this config *against the source*, with the machine's speed of
+        the moment cancelled to first order ([Note: bracketed transfer]); None without ``bracket``."""
+        if not (self.source_around_us and self.source_predicted_us):
+            return None
+        return (self.measured_us / self.source_around_us) / (self.predicted_us / self.source_predicted_us)
 
 
 def compute_ratios(summary: dict, warmup_steps: int = 1) -> tuple[float, float] | None:
@@ -70,33 +84,51 @@ def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps
 
 
 def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path,
-                   warmup_steps: int = 1, again: bool = False) -> tuple[float, list[TransferRow], float | None]:
+                   warmup_steps: int = 1, again: bool = False,
+                   bracket: bool = False) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
     plan. ``warmup_steps``: the first steps of each run left out of its measured step. ``again``:
     after the targets, run the source once more (a last row, ``SOURCE_AGAIN``, predicted as the
     source: its ratio over 1 + the residual is the second measurement over the first, how far the
-    machine moved while the targets ran). Returns (the fit's residual on the source run, one row
-    per target, the residual against the expected step with the fitted spread or None)."""
+    machine moved while the targets ran). ``bracket``: run the source again after *every* target
+    and give each row the mean of the source runs beside it ([Note: bracketed transfer]); the last
+    of them is the ``SOURCE_AGAIN`` row. Returns (the fit's residual on the source run, one row
+    per target, the residual against the expected step with the fitted spread or None).
+
+    [Note: bracketed transfer] The shared 2-core machines change speed by up to 25% within minutes
+    (the same run measured 4.72 s, then 3.77 s), so a target's measured / predicted carries how far
+    the machine moved since the source was measured. Runs of the source just before and just after
+    a target measure the machine of that moment: the target's step over their mean, against its
+    predicted step over the source's, is the profile's prediction of the target *relative to the
+    source* with a linear drift across the three runs cancelled. It is a second figure beside the
+    absolute one (measured / predicted), never a replacement: what it does not show is whether the
+    profile predicts absolute time on a machine of the source's speed."""
     from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan
 
     src = out / "source"
-    _run(config, source, steps, src, warmup_steps)
+    before = float(_run(config, source, steps, src, warmup_steps)["measured_step_time_us"])
     profile = out / "profile.yaml"
     fit = calibrate_files(sorted(str(p) for p in src.glob("trace_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
     rows = []
-    for name, extra in targets.items():
+    last = None
+    for i, (name, extra) in enumerate(targets.items()):
         ov = source + extra + [f"schedule.profile={profile}"]
         m = plan(load_config(config, ov)).metrics
         summary = _run(config, ov, steps, out / name.replace(" ", "_"), warmup_steps)
-        rows.append(TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
-                                (m.get("expected") or {}).get("step_time_us"),
-                                compute_ratios(summary, warmup_steps)))
-    if again and fit.predicted_us:
-        summary = _run(config, source, steps, out / "source_again", warmup_steps)
+        row = TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
+                          (m.get("expected") or {}).get("step_time_us"), compute_ratios(summary, warmup_steps))
+        if bracket and fit.predicted_us:
+            last = _run(config, source, steps, out / f"source_after_{i + 1}", warmup_steps)
+            after = float(last["measured_step_time_us"])
+            row.source_around_us, row.source_predicted_us = (before + after) / 2, fit.predicted_us
+            before = after
+        rows.append(row)
+    if (again or bracket) and fit.predicted_us:
+        summary = last if last is not None else _run(config, source, steps, out / "source_again", warmup_steps)
         rows.append(TransferRow(SOURCE_AGAIN, [], fit.predicted_us, float(summary["measured_step_time_us"]),
                                 fit.expected_us, compute_ratios(summary, warmup_steps)))
     return fit.residual or 0.0, rows, fit.expected_residual
