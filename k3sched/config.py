@@ -246,6 +246,13 @@ class HardwareConfig(_Section):
     """CPU cores (0..1048576) the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
     rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /
     host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cost.py)."""
+    compute_alone_factor: float = _float(0.0, 1.0, default=1.0)
+    """A compute task's time while no other rank of the host computes, over its time while every rank
+    computes (what the operator profile measures), (0, 1], when lanes are CPU threads (``host_cores``
+    set): the ranks of one host share its caches and memory bandwidth, so a pipeline stage computing
+    in another stage's bubble runs faster ([Note: compute alone] in k3sched/planner.py). ``k3sched
+    probe`` measures it (the operator profile alone against the same with every rank at once); 1: no
+    difference (GPUs; left out of plan.json)."""
     task_time_cv: float = _float(0.0, 10.0, open_low=False, default=0.0)
     """Spread of a compute task's duration from run to run on this machine, as std / mean (0..10):
     preemption, the transfers beside it, caches. When above 0 (or a profile gives per-kind values)
@@ -259,6 +266,8 @@ class HardwareConfig(_Section):
         for key in ("task_time_cv", "comm_wait_us_per_call"):
             if not getattr(self, key):
                 out.pop(key, None)
+        if self.compute_alone_factor == 1.0:
+            out.pop("compute_alone_factor", None)
         return out
 
 

@@ -532,6 +532,15 @@ class CostModel:
         w = self.wire(kind, layer=layer, nbytes=nbytes)
         return hw.comm_wait_us_per_call * (w.steps if w is not None and w.steps else self.comm_calls(kind))
 
+    def compute_alone_factor(self) -> float:
+        """``hardware.compute_alone_factor`` where it can act ([Note: compute alone] in
+        k3sched/planner.py): lanes are CPU threads, more than one pipeline stage, one rank per stage
+        (a stage's replicas compute in step, so a rank of a wider stage never computes alone); else 1."""
+        hw, p = self.cfg.hardware, self.cfg.parallel
+        if not hw.host_cores or p.pp < 2 or p.world > p.pp:
+            return 1.0
+        return hw.compute_alone_factor
+
     def comm_costs_cpu(self) -> bool:
         """Whether a transfer and the compute beside it contend for the rank's cores (the transfer's CPU
         per byte or per call, or its wake-ups' wait for a core): the planner then stretches both where

@@ -221,8 +221,8 @@ class _Search:
         raw: list = []
         lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
         dur = None
-        if not self.serial and self.cost.comm_costs_cpu():
-            for _ in range(2):  # [Note: CPU cost of communication]: a fixed point in two rounds
+        if (not self.serial and self.cost.comm_costs_cpu()) or self.cost.compute_alone_factor() < 1.0:
+            for _ in range(2):  # [Note: CPU cost of communication], [Note: compute alone]: two rounds
                 busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
                 lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
             dur = busy.dur
@@ -281,6 +281,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     k3 / serial 0.939 against 0.852 predicted; with it 105 ms against 40 ms, 72% against 83%, and
     0.856 against 0.856 (one run each, the machine's noise is a few points)."""
     ns = cost.comm_cpu_ns_per_byte()
+    contend = cost.comm_costs_cpu()  # else only [Note: compute alone] acts
     dur = list(prep.dur)
     tasks, ids = g.tasks, prep.ids
     start_t, end_t = raw[1], raw[2]
@@ -293,7 +294,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
         comp, comm, waits = by_stage[t.stage]
         if t.lane == "compute":
             comp.append(i)
-        elif end_t[i] > start_t[i]:
+        elif contend and end_t[i] > start_t[i]:
             moved, host_us = cost.comm_cpu_load(t.kind, t.bytes)
             cpu = moved * ns / 1e3 + host_us
             if cpu:
@@ -316,7 +317,36 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
             share = _covered_each(span, busy) / (span[:, 1] - span[:, 0])
             for (i, wait), sh in zip(waits, share):
                 dur[i] = prep.dur[i] + wait * float(sh)
+    alone = cost.compute_alone_factor()
+    if alone < 1.0:
+        _compute_alone(dur, prep, {s: v[0] for s, v in by_stage.items()}, start_t, end_t, alone)
     return dur
+
+
+def _compute_alone(dur: list[float], prep: _Prepared, comp: dict[int, list[int]], start_t, end_t,
+                   factor: float) -> None:
+    """[Note: compute alone] On the CPU runner the ranks of a host share its caches and memory
+    bandwidth besides its cores: the model's operators timed in one process ran 0.835x their time
+    with two processes timing them at once (the 2-core testbed, 2026-12-03; two rounds each, in the
+    order both, one, both, one: 0.85 and 0.82), and the operator profile is measured with every rank
+    at once, as the ranks of an EP stage always compute. A pipeline stage of one rank computes alone
+    in the other stages' bubbles and while they wait for it, and there it runs faster: each compute
+    task is shortened by ``1 - factor`` (``hardware.compute_alone_factor``) of its duration times
+    the share of its span (in the last schedule) no other stage computes. Without it the PP 2 x EP 1
+    calibration target's compute ran 0.72-0.91 of planned in five bench runs while the source config
+    (EP 2) run after it ran 0.86-1.24 (benchmarks/bench_overlap.py, README). Changes ``dur`` in place."""
+    spans = {s: _merge(np.array([(start_t[i], end_t[i]) for i in ids if end_t[i] > start_t[i]], dtype=float)
+                       .reshape(-1, 2)) for s, ids in comp.items()}
+    for s, ids in comp.items():
+        ids = [i for i in ids if end_t[i] > start_t[i]]
+        others = [v for t, v in spans.items() if t != s and len(v)]
+        if not ids:
+            continue
+        span = np.array([(start_t[i], end_t[i]) for i in ids], dtype=float)
+        covered = _covered_each(span, _merge(np.concatenate(others))) if others else np.zeros(len(ids))
+        alone = 1.0 - covered / (span[:, 1] - span[:, 0])
+        for i, a in zip(ids, alone):
+            dur[i] -= prep.dur[i] * (1.0 - factor) * float(max(0.0, a))
 
 
 BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in all (about 1.5 s here)

@@ -182,6 +182,8 @@ def test_quick_probe_on_two_ranks_writes_a_config_that_plans(tmp_path):
     assert hw.comm_cpu_us_per_call + hw.comm_cpu_ns_per_byte > 0
     # the router's spread over tiny-cpu's 2 EP ranks, measured at EP 1 and written into the model section
     assert "model.routing_imbalance" in r.stdout and 1.0 < cfg.model.routing_imbalance < 2.0
+    # the operator profile timed alone against two copies at once ([Note: compute alone]): written when below 1
+    assert "compute_alone_factor" in r.stdout and 0.3 < hw.compute_alone_factor <= 1.0
     assert plan(cfg).metrics["step_time_us"] > 0
 
 

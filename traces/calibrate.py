@@ -162,6 +162,7 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
                  if k in Kind._value2member_map_}
         cpu_ns, steal = _cpu_steal(occ, tasks, model, floor, known)
         steal.update(_waits_beside_compute(occ, tasks, model))
+        steal.update(_alone_back(occ, tasks, model, steal))
     stages = RankStages.by_majority([r for r, _ in recorded], [int(tasks[tid]["stage"]) for _, tid in recorded])
     per_task, raw = _costs(tasks, occ, stages, steal)
     fit = Fit(steps_used=max(k for _, _, k in occ) + 1, ranks=len(stages.stage_of), comm_cpu_ns_per_byte=cpu_ns,
@@ -396,6 +397,38 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
     us_per_byte = max(us_per_byte, (known_ns or 0.0) / 1e3, 0.0)
     steal = {key: us_per_byte * b + o for key, b, o in zip(keys, xb, xo)}
     return us_per_byte * 1e3, steal
+
+
+def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
+    """Per compute instance of a source whose ranks can compute alone ([Note: compute alone] in
+    k3sched/planner.py: one rank per pipeline stage), the amount to take from its span so that what
+    remains is its cost with every rank computing, as the operator profile and the planner count
+    it: (span - what ``steal`` already takes) / (1 - (1 - factor) x the share of its span no other
+    rank computed), subtracted from the span. Empty where the factor does not act (EP or DP stages,
+    GPUs)."""
+    import numpy as np
+
+    from k3sched.metrics import _covered_each, _merge
+
+    f = model.compute_alone_factor()
+    if f >= 1.0:
+        return {}
+    comp: dict[int, dict[int, list[tuple[float, float, tuple]]]] = defaultdict(lambda: defaultdict(list))
+    for (r, tid, k), (s, e) in occ.items():
+        if tasks[tid]["lane"] == "compute" and e > s:
+            comp[k][r].append((s, e, (r, tid, k)))
+    out = {}
+    for by_rank in comp.values():
+        merged = {r: _merge(np.array([(s, e) for s, e, _ in rows], dtype=float)) for r, rows in by_rank.items()}
+        for r, rows in by_rank.items():
+            span = np.array([(s, e) for s, e, _ in rows], dtype=float)
+            others = [v for o, v in merged.items() if o != r]
+            cov = _covered_each(span, _merge(np.concatenate(others))) if others else np.zeros(len(rows))
+            for (s, e, key), c in zip(rows, cov):
+                alone = max(0.0, 1.0 - float(c) / (e - s))
+                took = steal.get(key, 0.0)
+                out[key] = (e - s) - (e - s - took) / (1.0 - (1.0 - f) * alone)
+    return out
 
 
 def _waits_beside_compute(occ: dict, tasks: dict, model: CostModel) -> dict:

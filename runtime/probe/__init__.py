@@ -80,9 +80,8 @@ from .collectives import (  # noqa: F401 - the public parts, as runtime.probe.NA
 from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
-    measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie, measure_routing,
-    time_call,
-    write_ops_profile)
+    compute_alone_factor, measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie,
+    measure_routing, time_call, write_ops_profile)
 
 # -- everything ------------------------------------------------------------------------------------
 
@@ -147,8 +146,15 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         say("operators: one serial in-process step of the model at its shapes")
         copies = max(1, min(nproc, os.cpu_count() or 1)) if device.type == "cpu" else 1
         ops = measure_ops_concurrent(cfg, copies, timeout_s, work_dir)
+        if copies > 1:  # [Note: compute alone] in k3sched/planner.py
+            say("operators: one copy alone, then every copy at once again")
+            alone, ops = compute_alone_factor(cfg, copies, ops, timeout_s, work_dir)
+            hw["compute_alone_factor"] = alone
+            rows.append(Row("compute_alone_factor", f"{alone:.3g}", f"the operator profile timed by one process "
+                            f"alone over the same timed by {copies} at once (before and after it, mean), at most 1"))
         rows.append(Row("operator profile", f"{len(ops)} kinds", f"one rank, pp=ep=dp=1, serial, {copies} copies at "
-                        "once, median µs per task: " + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))
+                        "once, median µs per task" + (" (mean of two rounds)" if copies > 1 else "") + ": "
+                        + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))
         imb = _sig(measure_routing(cfg))
         if cfg.parallel.ep > 1:
             rows.append(Row("model.routing_imbalance", f"{imb:.4g}", f"the router at its initial weights, one step at "
@@ -329,6 +335,7 @@ def _hardware(hw_base, cuda: bool, nproc: int, gpn: int, hw: dict[str, Any]) -> 
         "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"], "comm_cpu_us_per_call": m["comm_cpu_us_per_call"],
         **({"comm_wait_us_per_call": m["comm_wait_us_per_call"]} if m.get("comm_wait_us_per_call") else {}),
         **({"task_time_cv": m["task_time_cv"]} if m.get("task_time_cv") else {}),
+        **({"compute_alone_factor": m["compute_alone_factor"]} if m.get("compute_alone_factor", 1.0) < 1.0 else {}),
     }
 
 
@@ -351,6 +358,7 @@ _FIELD_HOW = {
     "comm_cpu_us_per_call": "measured: compute time lost per concurrent all_to_all call, beside its bytes (CPU)",
     "comm_wait_us_per_call": "measured: how much longer an all_to_all call takes beside compute (CPU)",
     "task_time_cv": "measured: std / mean of 5 ms pieces of compute beside all_to_alls (CPU)",
+    "compute_alone_factor": "measured: the operator profile timed by one process alone over all at once (CPU)",
     "device_memory_gb": "not measured",
     "host_memory_gb": "not measured",
     "gpus_per_node": "not measured",

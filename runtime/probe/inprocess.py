@@ -396,12 +396,13 @@ def measure_routing(cfg, steps: int = 1) -> float:
     return routing_imbalance(calls, ep)
 
 
-def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir: str | Path | None = None
-                           ) -> dict[str, float]:
+def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir: str | Path | None = None,
+                           isolated: bool = False) -> dict[str, float]:
     """:func:`measure_ops` in ``copies`` processes at once (the ranks that share this node's
     cores in a run: measured alone, a task runs faster than beside another rank's compute, e.g. on
-    SMT siblings or a shared memory bus); per kind, the median over the copies."""
-    if copies <= 1:
+    SMT siblings or a shared memory bus); per kind, the median over the copies. ``isolated``: one
+    copy also runs in its own process, as the copies do (one thread), not in this one."""
+    if copies <= 1 and not isolated:
         return measure_ops(cfg)
     d = Path(work_dir or tempfile.mkdtemp(prefix="k3sched_ops_"))
     d.mkdir(parents=True, exist_ok=True)
@@ -424,6 +425,22 @@ def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir:
                 pr.kill()
     runs = [json.loads((d / f"ops_{i}.json").read_text()) for i in range(copies)]
     return {k: _sig(statistics.median(r[k] for r in runs)) for k in runs[0]}
+
+
+def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: float = 300.0,
+                         work_dir: str | Path | None = None) -> tuple[float, dict[str, float]]:
+    """``hardware.compute_alone_factor`` ([Note: compute alone] in k3sched/planner.py): the
+    operator profile measured by one process alone, against ``first`` (measured by ``copies`` at
+    once) and the same measured again after it (the order both, one, both: a drift of the machine's
+    speed that is linear over the three cancels); the sum over the kinds, at most 1. Returns it with
+    the per-kind mean of the two measurements with every copy at once (the operator profile)."""
+    sub = Path(work_dir or tempfile.mkdtemp(prefix="k3sched_ops_"))
+    alone = measure_ops_concurrent(cfg, 1, timeout_s, sub / "alone", isolated=True)
+    again = measure_ops_concurrent(cfg, copies, timeout_s, sub / "again")
+    both = {k: _sig((first[k] + again[k]) / 2) for k in first if k in again}
+    kinds = [k for k in both if k in alone]
+    factor = sum(alone[k] for k in kinds) / sum(both[k] for k in kinds) if kinds else 1.0
+    return min(1.0, factor), both
 
 
 def write_ops_profile(ops_us: dict[str, float], path: str | Path) -> Path:
