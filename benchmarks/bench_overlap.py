@@ -36,7 +36,7 @@ and after it as the machine of the moment (on the shared 2-core machines the sam
 while the targets ran.
 
 Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 6] [--quick] [--out DIR]``
-(root, ip and tc needed; about 18 minutes on 2 cores, ``--quick``: one rate per config, ``--once``: one
+(root, ip and tc needed; about 17 minutes on 2 cores, ``--quick``: one rate per config, ``--once``: one
 k3 and one serial run per row, about 10 minutes).
 """
 

@@ -225,21 +225,26 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
     about x0.77). With the slope fitted between the floors and the probe's and the source runs
     between, two runs, each passed at its first try (118-121 s): x1.103, x0.906, x0.856, x0.996 of
     the source's beside each (9.1 ns per byte), and, before the floors counted, x0.896, x1.070,
-    x1.006, x0.969 (8.1 ns)."""
+    x1.006, x0.969 (8.1 ns). With the compute-alone factor measured beside (0.993 at this config's
+    small ops; 0.834 at the bench's): x1.088, x0.893, x0.722, x0.876, first try, 136 s."""
     from runtime.testbed import Testbed, testbed_available
 
     why = testbed_available()
     if why:
         pytest.skip(f"the shaped-link testbed is not available: {why}")
     from k3sched.config import load_config
-    from runtime.probe import comm_cpu_ns_per_byte, measure_collectives, measure_ops_concurrent, write_ops_profile
+    from runtime.probe import (comm_cpu_ns_per_byte, compute_alone_factor, measure_collectives,
+                               measure_ops_concurrent, write_ops_profile)
     from runtime.transfer import SOURCE_AGAIN, transfer_check
 
     cfg = load_config(TINY, SMALL)
-    ops = write_ops_profile(measure_ops_concurrent(cfg, 2, work_dir=tmp_path / "ops"), tmp_path / "ops.yaml")
+    alone, ops = compute_alone_factor(cfg, 2, measure_ops_concurrent(cfg, 2, work_dir=tmp_path / "ops"),
+                                      work_dir=tmp_path / "ops")  # [Note: compute alone]: PP 2 x EP 1's bubbles
+    ops = write_ops_profile(ops, tmp_path / "ops.yaml")
     coll = measure_collectives(2, sizes=[1 << 20, 4 << 20], reps=2, testbed=Testbed(cfg.hardware, 2),
                                work_dir=tmp_path / "coll")
-    source = SMALL + [f"schedule.profile={ops}", f"hardware.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}"]
+    source = SMALL + [f"schedule.profile={ops}", f"hardware.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}",
+                      f"hardware.compute_alone_factor={alone:.4g}"]
     attempts = []
     for attempt in range(2):  # a new measurement only when the last missed (load outside the test)
         d = tmp_path / f"try{attempt}"
@@ -254,7 +259,8 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
             assert r.bracketed_ratio == pytest.approx(r.ratio / (r.source_around_us / again.predicted_us))
         fitted = load_profile(d / "profile.yaml")
         relative = {r.name: r.bracketed_ratio for r in rows}
-        info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns; the source's runs "
+        info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns, alone x{alone:.3f}; "
+                f"the source's runs "
                 + " ".join(f"x{m / runs[0]:.3f}" for m in runs[1:]) + " of its first); " + "; ".join(
             f"{r.name}: predicted {r.predicted_us / 1e3:.0f} ms, measured {r.measured_us / 1e3:.0f} ms "
             f"(x{r.ratio:.3f}, x{r.ratio / (1 + residual):.3f} of the source's first, x{relative[r.name]:.3f} "
