@@ -40,7 +40,8 @@ from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared
 from .pipelines import TABLE
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
-    _covered_each, _device_memory, _device_peak_per_stage, _merge, compute_metrics, lower_bound_us, path_bounds)
+    _covered_each, _device_memory, _device_peak_per_stage, _merge, alone_shares, compute_metrics, lower_bound_us,
+    path_bounds)
 from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
 from .tasks import Kind, Task, format_task_id
@@ -326,27 +327,22 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
 def _compute_alone(dur: list[float], prep: _Prepared, comp: dict[int, list[int]], start_t, end_t,
                    factor: float) -> None:
     """[Note: compute alone] On the CPU runner the ranks of a host share its caches and memory
-    bandwidth besides its cores: the model's operators timed in one process ran 0.835x their time
-    with two processes timing them at once (the 2-core testbed, 2026-12-03; two rounds each, in the
-    order both, one, both, one: 0.85 and 0.82), and the operator profile is measured with every rank
+    bandwidth besides its cores: the model's operators timed in one process ran 0.834x their time
+    with two processes timing them at once (``k3sched probe --config`` as benchmarks/bench_overlap.py
+    runs it, the 2-core testbed, 2026-12-03; 0.993 at the smaller shapes of tests/test_calibrate.py's
+    shaped-link test), and the operator profile is measured with every rank
     at once, as the ranks of an EP stage always compute. A pipeline stage of one rank computes alone
     in the other stages' bubbles and while they wait for it, and there it runs faster: each compute
     task is shortened by ``1 - factor`` (``hardware.compute_alone_factor``) of its duration times
     the share of its span (in the last schedule) no other stage computes. Without it the PP 2 x EP 1
     calibration target's compute ran 0.72-0.91 of planned in five bench runs while the source config
     (EP 2) run after it ran 0.86-1.24 (benchmarks/bench_overlap.py, README). Changes ``dur`` in place."""
-    spans = {s: _merge(np.array([(start_t[i], end_t[i]) for i in ids if end_t[i] > start_t[i]], dtype=float)
-                       .reshape(-1, 2)) for s, ids in comp.items()}
-    for s, ids in comp.items():
-        ids = [i for i in ids if end_t[i] > start_t[i]]
-        others = [v for t, v in spans.items() if t != s and len(v)]
-        if not ids:
-            continue
-        span = np.array([(start_t[i], end_t[i]) for i in ids], dtype=float)
-        covered = _covered_each(span, _merge(np.concatenate(others))) if others else np.zeros(len(ids))
-        alone = 1.0 - covered / (span[:, 1] - span[:, 0])
-        for i, a in zip(ids, alone):
-            dur[i] -= prep.dur[i] * (1.0 - factor) * float(max(0.0, a))
+    ids = {s: [i for i in v if end_t[i] > start_t[i]] for s, v in comp.items()}
+    ids = {s: v for s, v in ids.items() if v}
+    shares = alone_shares({s: np.array([(start_t[i], end_t[i]) for i in v], dtype=float) for s, v in ids.items()})
+    for s, v in ids.items():
+        for i, a in zip(v, shares[s]):
+            dur[i] -= prep.dur[i] * (1.0 - factor) * float(a)
 
 
 BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in all (about 1.5 s here)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 SOURCE_AGAIN = "source again"
-"""Name of :func:`transfer_check`'s last row with ``again``: the source config run once more."""
+"""Name of :func:`transfer_check`'s last row with ``bracket``: the source config's last run."""
 
 
 @dataclass
@@ -84,16 +84,14 @@ def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps
 
 
 def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path,
-                   warmup_steps: int = 1, again: bool = False,
-                   bracket: bool = False) -> tuple[float, list[TransferRow], float | None]:
+                   warmup_steps: int = 1, bracket: bool = False) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
-    plan. ``warmup_steps``: the first steps of each run left out of its measured step. ``again``:
-    after the targets, run the source once more (a last row, ``SOURCE_AGAIN``, predicted as the
-    source: its ratio over 1 + the residual is the second measurement over the first, how far the
-    machine moved while the targets ran). ``bracket``: run the source again after *every* target
-    and give each row the mean of the source runs beside it ([Note: bracketed transfer]); the last
-    of them is the ``SOURCE_AGAIN`` row. Returns (the fit's residual on the source run, one row
+    plan. ``warmup_steps``: the first steps of each run left out of its measured step. ``bracket``:
+    run the source again after every target and give each row the mean of the source runs beside it
+    ([Note: bracketed transfer]); a last row, ``SOURCE_AGAIN``, is the last of them, predicted as the
+    source: its ratio over 1 + the residual is the last measurement over the first, how far the
+    machine moved while the targets ran. Returns (the fit's residual on the source run, one row
     per target, the residual against the expected step with the fitted spread or None).
 
     [Note: bracketed transfer] The shared 2-core machines change speed by up to 25% within minutes
@@ -127,8 +125,7 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
             row.source_around_us, row.source_predicted_us = (before + after) / 2, fit.predicted_us
             before = after
         rows.append(row)
-    if (again or bracket) and fit.predicted_us:
-        summary = last if last is not None else _run(config, source, steps, out / "source_again", warmup_steps)
-        rows.append(TransferRow(SOURCE_AGAIN, [], fit.predicted_us, float(summary["measured_step_time_us"]),
-                                fit.expected_us, compute_ratios(summary, warmup_steps)))
+    if last is not None:
+        rows.append(TransferRow(SOURCE_AGAIN, [], fit.predicted_us, float(last["measured_step_time_us"]),
+                                fit.expected_us, compute_ratios(last, warmup_steps)))
     return fit.residual or 0.0, rows, fit.expected_residual

@@ -408,7 +408,7 @@ def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
     GPUs)."""
     import numpy as np
 
-    from k3sched.metrics import _covered_each, _merge
+    from k3sched.metrics import alone_shares
 
     f = model.compute_alone_factor()
     if f >= 1.0:
@@ -419,15 +419,11 @@ def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
             comp[k][r].append((s, e, (r, tid, k)))
     out = {}
     for by_rank in comp.values():
-        merged = {r: _merge(np.array([(s, e) for s, e, _ in rows], dtype=float)) for r, rows in by_rank.items()}
+        shares = alone_shares({r: np.array([(s, e) for s, e, _ in rows], dtype=float) for r, rows in by_rank.items()})
         for r, rows in by_rank.items():
-            span = np.array([(s, e) for s, e, _ in rows], dtype=float)
-            others = [v for o, v in merged.items() if o != r]
-            cov = _covered_each(span, _merge(np.concatenate(others))) if others else np.zeros(len(rows))
-            for (s, e, key), c in zip(rows, cov):
-                alone = max(0.0, 1.0 - float(c) / (e - s))
+            for (s, e, key), alone in zip(rows, shares[r]):
                 took = steal.get(key, 0.0)
-                out[key] = (e - s) - (e - s - took) / (1.0 - (1.0 - f) * alone)
+                out[key] = (e - s) - (e - s - took) / (1.0 - (1.0 - f) * float(alone))
     return out
 
 
