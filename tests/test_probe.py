@@ -3,6 +3,7 @@ and real short probes (``--quick``, 2 gloo ranks; one inside the shaped-link tes
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -131,9 +132,9 @@ def test_comm_cpu_fit_splits_the_loss_into_per_call_and_per_byte():
 
 # -- user errors: one line, exit 2, nothing measured -----------------------------------------------------
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "k3sched.cli", "probe", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 @pytest.mark.parametrize("args, says", [
@@ -165,8 +166,12 @@ def test_quick_probe_on_two_ranks_writes_a_config_that_plans(tmp_path):
     from k3sched.planner import plan
 
     out = tmp_path / "probed.yaml"
-    r = _cli("--nproc", "2", "--config", str(TINY), "--quick", "-o", str(out), timeout=180)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    r = _cli("--nproc", "2", "--config", str(TINY), "--quick", "-o", str(out), timeout=180, env={"TMPDIR": str(scratch)})
     assert r.returncode == 0, r.stderr[-3000:]
+    # the operator profiles' scratch folders go with the probe (they were left in /tmp before)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("k3sched_ops_")]
     assert f"wrote {out}" in r.stdout.replace("\n", "")
     for what in ("peak_tflops", "launch_us", "hbm_gbps", "pcie_gbps", "loopback all_to_all", "loopback all_reduce",
                  "loopback sendrecv", "busbw GB/s"):

@@ -404,7 +404,10 @@ def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir:
     copy also runs in its own process, as the copies do (one thread), not in this one."""
     if copies <= 1 and not isolated:
         return measure_ops(cfg)
-    d = Path(work_dir or tempfile.mkdtemp(prefix="k3sched_ops_"))
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="k3sched_ops_") as tmp:
+            return measure_ops_concurrent(cfg, copies, timeout_s, tmp, isolated)
+    d = Path(work_dir)
     d.mkdir(parents=True, exist_ok=True)
     (d / "ops_config.json").write_text(json.dumps(cfg.to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
@@ -434,7 +437,10 @@ def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: f
     once) and the same measured again after it (the order both, one, both: a drift of the machine's
     speed that is linear over the three cancels); the sum over the kinds, at most 1. Returns it with
     the per-kind mean of the two measurements with every copy at once (the operator profile)."""
-    sub = Path(work_dir or tempfile.mkdtemp(prefix="k3sched_ops_"))
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="k3sched_ops_") as tmp:
+            return compute_alone_factor(cfg, copies, first, timeout_s, tmp)
+    sub = Path(work_dir)
     alone = measure_ops_concurrent(cfg, 1, timeout_s, sub / "alone", isolated=True)
     again = measure_ops_concurrent(cfg, copies, timeout_s, sub / "again")
     both = {k: _sig((first[k] + again[k]) / 2) for k in first if k in again}
