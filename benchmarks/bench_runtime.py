@@ -40,7 +40,7 @@ def runtime_step_s(strategy: str, steps: int, out: Path) -> float:
 def deepspeed_step_s(steps: int, out: Path) -> float:
     from runtime.launch import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(Path(__file__).resolve()), "--ds-worker", str(out),
            "--steps", str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"}

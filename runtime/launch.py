@@ -3,8 +3,9 @@ the ranks under torchrun and makes sure none outlives it.
 
 - User errors (bad config, world size mismatch, infeasible budget, a plan using a task kind the
   runtime does not implement yet) print one line and return 2 before anything launches.
-- The ranks run ``python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1
-  --master-port FREE -m runtime.train CONFIG --out DIR ...`` in a new process group (session);
+- The ranks run ``python -m runtime.launch --nproc-per-node N --master-addr 127.0.0.1
+  --master-port FREE -m runtime.train CONFIG --out DIR ...`` (torchrun, :func:`torchrun_main`;
+  every torchrun of the project goes through it) in a new process group (session);
   gloo on CPU, NCCL with one GPU per rank when CUDA is present. ``device`` (``k3sched run
   --device``): ``cuda`` needs a GPU per rank (else one line and 2), ``cpu`` forces gloo, None picks
   cuda when every rank has its own GPU, else cpu (:func:`resolve_device`). A GPU run's environment
@@ -43,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -274,17 +276,22 @@ def lost_rank(out_dir: Path) -> str | None:
 
 
 def torchrun_main(argv: list[str]) -> None:
-    """``python -m runtime.launch TORCHRUN_ARGS``: torchrun (``torch.distributed.run``) that also
-    writes which ranks failed and how (global rank, pid, exit code; a negative code is the signal
-    that killed the rank) to ``$K3SCHED_FAILURES_FILE`` before it exits with torchrun's error, so
-    :func:`_launch` can name a rank that died without a word."""
+    """``python -m runtime.launch TORCHRUN_ARGS``: torchrun (``torch.distributed.run``) whose
+    workers' log folder is removed when it exits, and that also writes which ranks failed and how
+    (global rank, pid, exit code; a negative code is the signal that killed the rank) to
+    ``$K3SCHED_FAILURES_FILE`` before it exits with torchrun's error, so :func:`_launch` can name a
+    rank that died without a word."""
     import json
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     try:
-        torchrun(argv)
+        # torchrun keeps an (empty unless redirected) folder per run for its workers' logs; without
+        # --log-dir it is a torchelastic_* folder in /tmp that nothing removes: one per launch
+        with tempfile.TemporaryDirectory(prefix="k3sched_torchrun_") as logs:
+            torchrun(["--log-dir", logs, *argv])
     except ChildFailedError as e:
         path = os.environ.get(FAILURES_ENV)
         if path:
@@ -293,6 +300,8 @@ def torchrun_main(argv: list[str]) -> None:
                                                    "exitcode": f.exitcode, "timestamp": f.timestamp}
                                                   for r, f in e.failures.items()]))
         raise
+    except SignalException as e:  # stopped by the launcher (Ctrl-C, timeout): torchrun said so already
+        raise SystemExit(128 + int(e.sigval)) from None
 
 
 def run_command(config_path: str | Path, overrides: list[str] | None, steps: int, nproc: int | None,

@@ -344,7 +344,7 @@ class Testbed:
         from runtime.launch import free_port
 
         return self.hub_prefix() + [
-            python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc or self.world),
+            python, "-m", "runtime.launch", "--nnodes", "1", "--nproc-per-node", str(nproc or self.world),
             "--master-addr", self.master_addr, "--master-port", str(port or free_port()), "--max-restarts", "0",
             "--no-python", *self.worker_wrapper(), *worker_argv]
 

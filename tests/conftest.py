@@ -97,7 +97,7 @@ def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | Non
     from runtime.launch import _run_env, free_port, kill_group
 
     (work / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "runtime.launch", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
            str(ROOT / "tests" / "p2p_worker.py"), str(work / "spec.json")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_run_env(env), start_new_session=True, stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """Run by tests/test_p2p.py under torchrun: several training runs in one launch, then a crossing
 order on one communicator in both P2P modes.
 
-``python -m torch.distributed.run ... tests/p2p_worker.py SPEC.json``; SPEC holds ``runs`` (each:
+``python -m runtime.launch ... tests/p2p_worker.py SPEC.json``; SPEC holds ``runs`` (each:
 ``out``, ``overrides``, ``p2p``, ``steps``, optionally ``args``) and ``crossing`` (an output directory). Each run is
 ``runtime.train.main`` itself (plan, groups, P2P warm-up, executor, summary.json), on one default
 process group kept across the runs (launching torchrun once per run costs ~10 s of start-up on a

@@ -1,7 +1,7 @@
 """Failures stop every rank, bounded by the ranks' --timeout (issue 10, part 4): gloo on CPU,
 tiny shapes, PP 2 (2 ranks). A rank hanging in a receive no rank sends and a rank SIGKILLed in a
 step each stop every rank within 60 s with one line naming the rank and its error, and leave no
-process behind. A rank that raises: tests/test_runtime_dist.py::
+process or torchrun log folder behind. A rank that raises: tests/test_runtime_dist.py::
 test_failing_rank_stops_every_rank_with_one_clear_line (one SIGKILLed while writing a checkpoint:
 tests/test_checkpoint.py). In-process: an executor whose lane fails before it is ready, or whose
 task never returns, raises in bounded time instead of hanging."""
@@ -33,15 +33,19 @@ def _children() -> set[int]:
 
 def _fail_run(tmp_path: Path, env: dict, capfd) -> tuple[int, float, str, str]:
     before = _children()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     t0 = time.monotonic()
-    rc = run_command(TINY, PP2, 2, None, tmp_path, False, None, timeout_s=150.0, quiet=True, device="cpu",
-                     env={"K3SCHED_TIMEOUT_S": "10", **env})
+    rc = run_command(TINY, PP2, 2, None, tmp_path / "run", False, None, timeout_s=150.0, quiet=True, device="cpu",
+                     env={"K3SCHED_TIMEOUT_S": "10", "TMPDIR": str(scratch), **env})
     took = time.monotonic() - t0
     err = capfd.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert lines, err[-2000:]
     assert not procs_with(str(tmp_path)), "processes left behind"
     assert _children() <= before, "child processes left behind"
+    # nor torchrun's log folder (a torchelastic_* folder per launch before runtime.launch gave it one)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith(("torchelastic_", "k3sched_torchrun_"))]
     return rc, took, lines[-1], err
 
 

@@ -57,7 +57,7 @@ def launch_workers(nproc: int, worker_args: Sequence[str], out_dir: Path, *, tim
     if testbed is not None:
         cmd = testbed.torchrun_command(worker, nproc=nproc)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        cmd = [sys.executable, "-m", "runtime.launch", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
                "--no-python", *worker]
     run_env = {**os.environ, **(env or {}), **(testbed.env() if testbed is not None else {})}
