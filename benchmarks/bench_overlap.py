@@ -90,7 +90,7 @@ def probe_hardware(work: Path) -> dict:
     out = {f"hardware.{k}": res.hardware[k] for k in PROBED}
     if "compute_alone_factor" in res.hardware:  # [Note: compute alone] in k3sched/planner.py
         out["hardware.compute_alone_factor"] = res.hardware["compute_alone_factor"]
-    out["schedule.profile"] = str(write_ops_profile(res.ops_us, work / "ops.yaml"))
+    out["schedule.profile"] = str(write_ops_profile(res.ops_us, work / "ops.yaml", res.per_expert_us))
     out["model.routing_imbalance"] = res.routing_imbalance
     tb = Testbed(cfg.hardware, 2, internode_gbps=0.05, gpus_per_node=1)
     knobs = dataclasses.replace(Knobs.of(True), contended_reps=CONTENDED_REPS)

@@ -32,7 +32,8 @@ replaces the analytic duration of any kind:
 ``saved_bytes: {attn.fwd: [w, x], attn.dx: n, ...}``: measured activation bytes per layer and
 micro-batch that replace :meth:`CostModel.saved_bytes` (forward kinds: bytes kept until dW, bytes
 kept until dX) and :meth:`CostModel.grad_out_bytes` (dX kinds); a forward kind may also give one
-number N (split like the analytic model). ``runtime.measure.write_profile`` measures them on the
+number N (split like the analytic model); ``per_expert_us: {expert.dw: ..}`` the part of an expert
+op's time paid per local expert ([Note: per-expert cost]). ``runtime.measure.write_profile`` measures them on the
 ``moe`` code ([Note: measured saved bytes] in ``runtime/measure.py``).
 """
 
@@ -180,6 +181,35 @@ class CostModel:
 
             f = self.__dict__["_skew"] = load_factors(self.cfg)
         return f
+
+    def per_expert_us(self, kind: Kind) -> float:
+        """[Note: per-expert cost] An expert op's time has a part per local expert, whatever its
+        tokens: expert.dw stacks one weight gradient per local expert and adds it to the weights'
+        gradient (bytes of every local expert's weights, twice), and each local expert is a GEMM call
+        of its own. Measured with every expert on one rank (the operator profile), that part is not
+        what a rank of ``ep`` ranks, holding ``experts / ep``, pays. On the 2-core testbed at
+        benchmarks/bench_overlap.py's shapes (two copies computing at once), expert.dw took 16.3 ms
+        with 8 experts and 11.8 ms with 4 (the same tokens), expert.fwd 14.4 and 13.5, expert.dx 15.3
+        and 13.5; in EP 2 runs planned from the 8-expert profile alone, expert.dw ran 0.56-0.65 of its
+        planned time on the two ranks' mean (fwd 0.78-0.91, dx 0.78-0.87), which made the plans' compute too long, hence
+        their overlap too high and their serial steps too long. So a profile may give per expert kind
+        ``per_expert_us``: the profiled time is that much per expert (of ``model.experts``) plus a
+        part that scales with the tokens; a rank's time is the token part times the busiest rank's
+        factor ([Note: skewed cost] in k3sched/balance.py) plus ``per_expert_us`` times its slots
+        (:meth:`local_experts`). ``k3sched probe`` measures it from a second operator profile with
+        the experts of one EP rank (``experts / ep``; half of them at ep 1): the line through the
+        two. 0 (no entry): the profiled time scales with the tokens alone, as before."""
+        return self.profile.per_expert_us.get(kind.value, 0.0) if kind in _EXPERT_KINDS else 0.0
+
+    def local_experts(self) -> int:
+        """Expert slots of one EP rank (``experts / ep``, with redundant replicas the placement's
+        slots per rank): what :meth:`per_expert_us` is paid for."""
+        m, p = self.cfg.model, self.cfg.parallel
+        if p.ep == 1 or not m.experts:
+            return m.experts
+        from .balance import placement_for
+
+        return placement_for(self.cfg).per_rank
 
     def replica_params(self) -> int:
         """Parameters of one MoE layer's replicated experts (summed over the stage's ranks in grad.rs)."""
@@ -590,10 +620,14 @@ class CostModel:
         hw = self.cfg.hardware
         measured = self.profile.durations_us.get(kind.value)
         if measured is not None:  # measured at the profiled run's routing: balanced ([Note: skewed cost])
+            fixed = self.per_expert_us(kind)  # its local experts' part ([Note: per-expert cost])
+            measured = max(0.0, measured - fixed * self.cfg.model.experts)
             if self.slice is not None:  # a whole micro-batch's time: the slice's share of its FLOPs or tokens
                 whole = self._whole.flops(kind)
                 measured *= self.flops(kind) / whole if whole else self._slice_fraction()
-            return measured * (self.skew_factors()[0] if kind in _EXPERT_KINDS else 1.0)
+            if kind not in _EXPERT_KINDS:
+                return measured
+            return measured * self.skew_factors()[0] + fixed * self.local_experts()
         if kind in _GEMM:
             return hw.launch_us + self.flops(kind) / self._flops_per_us
         w = self.wire(kind, layer=layer, nbytes=nbytes, stages=stages)

@@ -41,6 +41,9 @@ class Profile:
     time_cv: dict[str, float] = field(default_factory=dict)
     """Per compute kind: std / mean of its measured cost (replaces ``hardware.task_time_cv`` for the
     kind; [Note: task-time spread] in k3sched/variability.py)."""
+    per_expert_us: dict[str, float] = field(default_factory=dict)
+    """Per expert kind: the part of its ``durations_us`` (measured with all ``model.experts`` on one
+    rank) that each local expert costs whatever its tokens ([Note: per-expert cost] in k3sched/cost.py)."""
 
 
 PROFILE_FORMAT = "k3sched.profile/1"
@@ -52,6 +55,7 @@ _DX_SAVED = ("attn.dx", "expert.dx", "shared.dx", "mlp.dx", "head.dx")  # CostMo
 _FWD_SAVED = tuple(k.value for k in Kind if k in FWD_KINDS)
 _SAVED_KINDS = _FWD_SAVED + _DX_SAVED
 _COMM_KINDS = tuple(k.value for k in Kind if LANE_OF[k] != "compute")
+_EXPERT_OPS = (Kind.EXPERT_FWD.value, Kind.EXPERT_DX.value, Kind.EXPERT_DW.value)
 # [Note: profile document] A profile YAML is checked strictly and in full before the cost model
 # uses it (ConfigError naming the file, the key path, the value and what is allowed): only the
 # keys below; each section a mapping (a null or a list is an error, leave it out instead); names
@@ -67,6 +71,7 @@ _PROFILE_MAPS: dict[str, tuple[tuple[str, ...], str, float, bool, float, str]] =
     "link_efficiency": (LANES, "lane", 0.0, True, 1.0, "achieved / configured link rate"),
     "overhead_us": (_COMM_KINDS, "communication kind", 0.0, False, _MAX_US, "µs per task"),
     "time_cv": (_KINDS, "task kind", 0.0, False, 10.0, "std / mean of the task's cost"),
+    "per_expert_us": (_EXPERT_OPS, "MoE expert kind", 0.0, False, _MAX_US, "µs per local expert"),
 }
 _CPU_NS = (0.0, False, 1e6)
 
@@ -123,7 +128,8 @@ def load_profile(path: str | Path) -> Profile:
     return Profile(dict(doc.durations_us), dict(doc.bandwidth_gbps), str(p), saved, dict(doc.latency_us),
                    dict(doc.link_efficiency), dict(doc.overhead_us), doc.comm_cpu_ns_per_byte,
                    layer_us=[float(x) for x in doc.layer_us], embed_us=float(doc.embed_us),
-                   head_us=float(doc.head_us), p2p_us=float(doc.p2p_us), time_cv=dict(doc.time_cv))
+                   head_us=float(doc.head_us), p2p_us=float(doc.p2p_us), time_cv=dict(doc.time_cv),
+                   per_expert_us=dict(doc.per_expert_us))
 
 
 def _got(value: Any) -> str:

@@ -234,13 +234,14 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
         pytest.skip(f"the shaped-link testbed is not available: {why}")
     from k3sched.config import load_config
     from runtime.probe import (comm_cpu_ns_per_byte, compute_alone_factor, measure_collectives,
-                               measure_ops_concurrent, write_ops_profile)
+                               measure_ops_concurrent, measure_per_expert, write_ops_profile)
     from runtime.transfer import SOURCE_AGAIN, transfer_check
 
     cfg = load_config(TINY, SMALL)
     alone, ops = compute_alone_factor(cfg, 2, measure_ops_concurrent(cfg, 2, work_dir=tmp_path / "ops"),
                                       work_dir=tmp_path / "ops")  # [Note: compute alone]: PP 2 x EP 1's bubbles
-    ops = write_ops_profile(ops, tmp_path / "ops.yaml")
+    per_expert = measure_per_expert(cfg, 2, ops, work_dir=tmp_path / "per_expert")  # [Note: per-expert cost]
+    ops = write_ops_profile(ops, tmp_path / "ops.yaml", per_expert)
     coll = measure_collectives(2, sizes=[1 << 20, 4 << 20], reps=2, testbed=Testbed(cfg.hardware, 2),
                                work_dir=tmp_path / "coll")
     source = SMALL + [f"schedule.profile={ops}", f"hardware.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}",
@@ -259,7 +260,8 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
             assert r.bracketed_ratio == pytest.approx(r.ratio / (r.source_around_us / again.predicted_us))
         fitted = load_profile(d / "profile.yaml")
         relative = {r.name: r.bracketed_ratio for r in rows}
-        info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns, alone x{alone:.3f}; "
+        info = (f"source residual {residual:+.3f} (CPU per byte {fitted.comm_cpu_ns_per_byte} ns, alone x{alone:.3f}, "
+                f"per expert {per_expert}; "
                 f"the source's runs "
                 + " ".join(f"x{m / runs[0]:.3f}" for m in runs[1:]) + " of its first); " + "; ".join(
             f"{r.name}: predicted {r.predicted_us / 1e3:.0f} ms, measured {r.measured_us / 1e3:.0f} ms "

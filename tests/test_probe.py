@@ -189,6 +189,12 @@ def test_quick_probe_on_two_ranks_writes_a_config_that_plans(tmp_path):
     assert "model.routing_imbalance" in r.stdout and 1.0 < cfg.model.routing_imbalance < 2.0
     # the operator profile timed alone against two copies at once ([Note: compute alone]): written when below 1
     assert "compute_alone_factor" in r.stdout and 0.3 < hw.compute_alone_factor <= 1.0
+    # each expert op's part per local expert, from a second profile with one EP rank's 4 experts
+    from k3sched.profile import load_profile
+
+    assert "per_expert_us" in r.stdout and "with 4 of the 8" in r.stdout.replace("\n", " ")
+    per = load_profile(cfg.schedule.profile).per_expert_us
+    assert set(per) == {"expert.fwd", "expert.dx", "expert.dw"} and all(v >= 0 for v in per.values())
     assert plan(cfg).metrics["step_time_us"] > 0
 
 

@@ -96,6 +96,7 @@ class Fit:
     latency_us: dict[str, float] = field(default_factory=dict)       # lane -> µs per call / ring step
     link_efficiency: dict[str, float] = field(default_factory=dict)  # lane -> achieved / configured rate
     overhead_us: dict[str, float] = field(default_factory=dict)      # kept from the plan's profile
+    per_expert_us: dict[str, float] = field(default_factory=dict)    # kept from the plan's profile
     comm_cpu_ns_per_byte: float | None = None  # CPU cost of a transferred byte (CPU runner)
     comm_cpu_fitted: bool = False           # fitted from the run (else the source plan's: the least slope)
     time_cv: dict[str, float] = field(default_factory=dict)  # compute kind -> spread beside transfers
@@ -135,6 +136,8 @@ class Fit:
             doc["comm_cpu_ns_per_byte"] = float(f"{self.comm_cpu_ns_per_byte:.4g}")
         if self.time_cv:
             doc["time_cv"] = {k: round(v, 4) for k, v in sorted(self.time_cv.items())}
+        if self.per_expert_us:
+            doc["per_expert_us"] = {k: round(v, 3) for k, v in sorted(self.per_expert_us.items())}
         if self.saved_bytes:
             doc["saved_bytes"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(self.saved_bytes.items())}
         return doc
@@ -152,14 +155,15 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     tasks = _tasks(plan)
     occ, recorded = _occurrences(tasks, events, skip_first_step)
     cfg = _plan_config(plan)
-    model = CostModel(cfg, Profile(overhead_us=_plan_profile(plan, "overhead_us"))) if cfg else None
+    model = CostModel(cfg, Profile(overhead_us=_plan_profile(plan, "overhead_us"),
+                                   per_expert_us=_plan_profile(plan, "per_expert_us"))) if cfg else None
     cpu_ns = None
     steal: dict = {}
     known = None
     if model is not None and model.cfg.hardware.host_cores:
         known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: the least slope
-        floor = {k: d * model.share(Kind(k)) for k, d in _plan_profile(plan, "durations_us").items()
-                 if k in Kind._value2member_map_}
+        floor = {k: _local(model, Kind(k), d) * model.share(Kind(k))
+                 for k, d in _plan_profile(plan, "durations_us").items() if k in Kind._value2member_map_}
         cpu_ns, steal = _cpu_steal(occ, tasks, model, floor, known)
         steal.update(_waits_beside_compute(occ, tasks, model))
         steal.update(_alone_back(occ, tasks, model, steal))
@@ -178,6 +182,7 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     if model is not None:
         _fit_wires(fit, model, [row for row in per_task if row[0] in wired])
         fit.overhead_us = dict(model.profile.overhead_us)
+        fit.per_expert_us = dict(model.profile.per_expert_us)
     _fit_bandwidths(fit, cfg, per_task, variable, model)
     fit.saved_bytes = _plan_profile(plan, "saved_bytes")
     fit.time_cv = _spread_beside_transfers(tasks, occ)
@@ -292,9 +297,13 @@ def _fit_durations(fit: Fit, per_task: list, raw: dict, variable: set[str], mode
             fit.by_bandwidth.append(kind)
         else:  # one core's duration: the source config's CPU sharing (and busiest-rank factor) divided out
             share = model.share(Kind(kind)) if model is not None else 1.0
+            one = statistics.fmean(cs) / share
             if model is not None and Kind(kind) in _EXPERT_KINDS:
-                share *= model.skew_factors()[0]  # the cost model scales a profile's expert ops by it again
-            fit.durations_us[kind] = statistics.fmean(cs) / share
+                # back to the profile's terms: all experts on one rank, balanced ([Note: per-expert cost])
+                fixed = model.per_expert_us(Kind(kind))
+                one = max(0.0, one - fixed * model.local_experts()) / model.skew_factors()[0] \
+                    + fixed * model.cfg.model.experts
+            fit.durations_us[kind] = one
     return wired
 
 
@@ -562,6 +571,13 @@ def _own_profile(plan: dict) -> Profile | None:
         return load_profile(path) if path else None
     except ConfigError:
         return None
+
+
+def _local(model: CostModel, kind: Kind, d: float) -> float:
+    """A profiled time ``d`` of ``kind`` (every expert on one rank) at the source's local experts,
+    balanced: the floor of an expert op ([Note: per-expert cost] in k3sched/cost.py)."""
+    fixed = model.per_expert_us(kind)
+    return max(0.0, d - fixed * model.cfg.model.experts) + fixed * model.local_experts()
 
 
 def _plan_profile(plan: dict, field_name: str) -> dict:

@@ -43,8 +43,9 @@ of the config's ``hardware`` section (:class:`k3sched.config.HardwareConfig`, un
 - ``comm_wait_us_per_call`` (CPU only, from the same measurement): how much longer an all-to-all
   call takes while the GEMM loop runs beside it than alone ([Note: a transfer beside compute] in
   ``k3sched/planner.py``).
-- With a config: the operator profile ([Note: operator profile] in ``inprocess.py``) and
-  ``model.routing_imbalance``, the router's busiest over mean EP rank per dispatch at its initial
+- With a config: the operator profile ([Note: operator profile] in ``inprocess.py``), with a MoE
+  model its ``per_expert_us`` (the profile again with one EP rank's experts: [Note: per-expert
+  cost] in ``k3sched/cost.py``), and ``model.routing_imbalance``, the router's busiest over mean EP rank per dispatch at its initial
   weights (:func:`measure_routing`, [Note: routing imbalance] in ``k3sched/balance.py``).
 
 What the numbers do not show: on CPU the ranks share the machine's cores with each other and with
@@ -81,7 +82,7 @@ from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
     compute_alone_factor, measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie,
-    measure_routing, time_call, write_ops_profile)
+    measure_per_expert, measure_routing, per_expert_point, time_call, write_ops_profile)
 
 # -- everything ------------------------------------------------------------------------------------
 
@@ -109,6 +110,8 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
     ops_us: dict[str, float] = field(default_factory=dict)
     """:func:`measure_ops` (with a config): µs per compute task kind, one core."""
+    per_expert_us: dict[str, float] = field(default_factory=dict)
+    """:func:`measure_per_expert` (with a MoE config): µs of each expert kind per local expert."""
     routing_imbalance: float = 1.0
     """:func:`measure_routing` (with a config): the model's ``model.routing_imbalance`` over its EP ranks."""
 
@@ -152,6 +155,11 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
             hw["compute_alone_factor"] = alone
             rows.append(Row("compute_alone_factor", f"{alone:.3g}", f"the operator profile timed by one process "
                             f"alone over the same timed by {copies} at once (before and after it, mean), at most 1"))
+        per_expert = measure_per_expert(cfg, copies, ops, timeout_s, work_dir and Path(work_dir) / "per_expert")
+        if per_expert:  # [Note: per-expert cost] in k3sched/cost.py
+            rows.append(Row("per_expert_us", ", ".join(f"{k} {v:.3g}" for k, v in per_expert.items()),
+                            f"the operator profile again with {per_expert_point(cfg)} of the {cfg.model.experts} "
+                            "experts (the same tokens): µs per local expert, the slope between the two"))
         rows.append(Row("operator profile", f"{len(ops)} kinds", f"one rank, pp=ep=dp=1, serial, {copies} copies at "
                         "once, median µs per task" + (" (mean of two rounds)" if copies > 1 else "") + ": "
                         + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))
@@ -173,7 +181,7 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
                 "not a wire")
         notes.append(f"CPU: the {nproc} ranks share {os.cpu_count()} core(s); {wire}")
     return ProbeResult(hardware, rows, coll, gemms, device.type, nproc, testbed is not None, notes, ops,
-                       imb if cfg is not None else 1.0)
+                       per_expert if cfg is not None else {}, imb if cfg is not None else 1.0)
 
 
 def _probe_compute(cfg, device: torch.device, knobs: Knobs, rows: list[Row], hw: dict[str, Any],
@@ -434,7 +442,7 @@ def write_hardware(result: ProbeResult, path: str | Path, config_path: str | Pat
     names it."""
     p = Path(path)
     if config_path is not None and result.ops_us:
-        ops = write_ops_profile(result.ops_us, p.with_name(p.stem + ".ops.yaml"))
+        ops = write_ops_profile(result.ops_us, p.with_name(p.stem + ".ops.yaml"), result.per_expert_us)
         overrides = list(overrides or []) + [f"schedule.profile={ops.resolve()}"]
         if result.routing_imbalance != 1.0:
             overrides.append(f"model.routing_imbalance={result.routing_imbalance:.4g}")

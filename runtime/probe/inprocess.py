@@ -449,8 +449,44 @@ def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: f
     return min(1.0, factor), both
 
 
-def write_ops_profile(ops_us: dict[str, float], path: str | Path) -> Path:
-    """The operator profile as a ``schedule.profile`` YAML (``durations_us``)."""
+EXPERT_OPS = ("expert.fwd", "expert.dx", "expert.dw")
+
+
+def per_expert_point(cfg) -> int | None:
+    """The expert count of the second operator profile ([Note: per-expert cost] in
+    k3sched/cost.py): one EP rank's experts (``experts / ep``), half of them at ep 1; None when
+    the model has no MoE layer or that many experts cannot hold ``top_k``."""
+    m = cfg.model
+    if not m.experts or m.layers <= m.dense_layers:
+        return None
+    fewer = m.experts // cfg.parallel.ep if cfg.parallel.ep > 1 else m.experts // 2
+    return fewer if m.top_k <= fewer < m.experts else None
+
+
+def measure_per_expert(cfg, copies: int, ops: dict[str, float], timeout_s: float = 300.0,
+                       work_dir: str | Path | None = None) -> dict[str, float]:
+    """``per_expert_us`` of the profile ([Note: per-expert cost] in k3sched/cost.py): the operator
+    profile again with :func:`per_expert_point` experts (the same tokens, top-k and every other
+    shape; ``copies`` at once, as ``ops`` was measured), and per expert kind the slope of the line
+    through the two, at least 0. {} when there is no second point."""
+    fewer = per_expert_point(cfg)
+    if fewer is None:
+        return {}
+    from k3sched.config import config_from_dict
+
+    data = cfg.to_dict()
+    data["model"] = {**data["model"], "experts": fewer}
+    data["parallel"] = {**data["parallel"], "ep": 1, "redundant_experts": 0}
+    data["schedule"] = {**data["schedule"], "expert_placement": None}
+    other = measure_ops_concurrent(config_from_dict(data), copies, timeout_s, work_dir)
+    n = cfg.model.experts - fewer
+    return {k: _sig(max(0.0, (ops[k] - other[k]) / n)) for k in EXPERT_OPS if k in ops and k in other}
+
+
+def write_ops_profile(ops_us: dict[str, float], path: str | Path,
+                      per_expert_us: dict[str, float] | None = None) -> Path:
+    """The operator profile as a ``schedule.profile`` YAML (``durations_us``, ``overhead_us``, and
+    ``per_expert_us`` when given: :func:`measure_per_expert`)."""
     import yaml
 
     p = Path(path)
@@ -462,7 +498,8 @@ def write_ops_profile(ops_us: dict[str, float], path: str | Path) -> Path:
     p.write_text("# k3sched probe: operator profile ([Note: operator profile] in runtime/probe/inprocess.py), µs per task "
                  "on one core;\n# overhead_us: the EP tasks' host-side work at ep 1 (the wire time comes on top)\n"
                  + yaml.safe_dump({"format": "k3sched.profile/1", "source": "k3sched probe", "durations_us": compute,
-                                   "overhead_us": overhead}, sort_keys=False))
+                                   "overhead_us": overhead, **({"per_expert_us": dict(per_expert_us)}
+                                                               if per_expert_us else {})}, sort_keys=False))
     return p
 
 
