@@ -33,8 +33,8 @@ replaces the analytic duration of any kind:
 micro-batch that replace :meth:`CostModel.saved_bytes` (forward kinds: bytes kept until dW, bytes
 kept until dX) and :meth:`CostModel.grad_out_bytes` (dX kinds); a forward kind may also give one
 number N (split like the analytic model); ``per_expert_us: {expert.dw: ..}`` the part of an expert
-op's time paid per local expert ([Note: per-expert cost]). ``runtime.measure.write_profile`` measures them on the
-``moe`` code ([Note: measured saved bytes] in ``runtime/measure.py``).
+op's time paid per local expert ([Note: per-expert cost]). ``runtime.measure.write_profile``
+measures them on the ``moe`` code ([Note: measured saved bytes] in ``runtime/measure.py``).
 """
 
 from __future__ import annotations
@@ -191,12 +191,12 @@ class CostModel:
         benchmarks/bench_overlap.py's shapes (two copies computing at once), expert.dw took 16.3 ms
         with 8 experts and 11.8 ms with 4 (the same tokens), expert.fwd 14.4 and 13.5, expert.dx 15.3
         and 13.5; in EP 2 runs planned from the 8-expert profile alone, expert.dw ran 0.56-0.65 of its
-        planned time on the two ranks' mean (fwd 0.78-0.91, dx 0.78-0.87), which made the plans' compute too long, hence
-        their overlap too high and their serial steps too long. So a profile may give per expert kind
-        ``per_expert_us``: the profiled time is that much per expert (of ``model.experts``) plus a
-        part that scales with the tokens; a rank's time is the token part times the busiest rank's
-        factor ([Note: skewed cost] in k3sched/balance.py) plus ``per_expert_us`` times its slots
-        (:meth:`local_experts`). ``k3sched probe`` measures it from a second operator profile with
+        planned time on the two ranks' mean (fwd 0.78-0.91, dx 0.78-0.87), which made the plans'
+        compute too long, hence their overlap too high and their serial steps too long. So a profile
+        may give per expert kind ``per_expert_us``: the profiled time is that much per expert (of
+        ``model.experts``) plus a part that scales with the tokens; a rank's time is the token part
+        times the busiest rank's factor ([Note: skewed cost] in k3sched/balance.py) plus
+        ``per_expert_us`` times its slots (:meth:`local_experts`). ``k3sched probe`` measures it from a second operator profile with
         the experts of one EP rank (``experts / ep``; half of them at ep 1): the line through the
         two. 0 (no entry): the profiled time scales with the tokens alone, as before."""
         return self.profile.per_expert_us.get(kind.value, 0.0) if kind in _EXPERT_KINDS else 0.0

@@ -234,13 +234,14 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
         pytest.skip(f"the shaped-link testbed is not available: {why}")
     from k3sched.config import load_config
     from runtime.probe import (comm_cpu_ns_per_byte, compute_alone_factor, measure_collectives,
-                               measure_ops_concurrent, measure_per_expert, write_ops_profile)
+                               measure_ops_concurrent, per_expert_slopes, write_ops_profile)
     from runtime.transfer import SOURCE_AGAIN, transfer_check
 
     cfg = load_config(TINY, SMALL)
+    fewer: list = []  # with one EP rank's experts, around the one-copy round ([Note: per-expert cost])
     alone, ops = compute_alone_factor(cfg, 2, measure_ops_concurrent(cfg, 2, work_dir=tmp_path / "ops"),
-                                      work_dir=tmp_path / "ops")  # [Note: compute alone]: PP 2 x EP 1's bubbles
-    per_expert = measure_per_expert(cfg, 2, ops, work_dir=tmp_path / "per_expert")  # [Note: per-expert cost]
+                                      work_dir=tmp_path / "ops", fewer=fewer)  # [Note: compute alone]: PP 2 x EP 1
+    per_expert = per_expert_slopes(cfg, ops, fewer)
     ops = write_ops_profile(ops, tmp_path / "ops.yaml", per_expert)
     coll = measure_collectives(2, sizes=[1 << 20, 4 << 20], reps=2, testbed=Testbed(cfg.hardware, 2),
                                work_dir=tmp_path / "coll")

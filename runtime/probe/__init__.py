@@ -45,8 +45,9 @@ of the config's ``hardware`` section (:class:`k3sched.config.HardwareConfig`, un
   ``k3sched/planner.py``).
 - With a config: the operator profile ([Note: operator profile] in ``inprocess.py``), with a MoE
   model its ``per_expert_us`` (the profile again with one EP rank's experts: [Note: per-expert
-  cost] in ``k3sched/cost.py``), and ``model.routing_imbalance``, the router's busiest over mean EP rank per dispatch at its initial
-  weights (:func:`measure_routing`, [Note: routing imbalance] in ``k3sched/balance.py``).
+  cost] in ``k3sched/cost.py``), and ``model.routing_imbalance``, the router's busiest over mean EP
+  rank per dispatch at its initial weights (:func:`measure_routing`, [Note: routing imbalance] in
+  ``k3sched/balance.py``).
 
 What the numbers do not show: on CPU the ranks share the machine's cores with each other and with
 their lane threads; loopback "bandwidth" is the CPU's memcpy through the kernel's TCP stack, not a
@@ -82,7 +83,8 @@ from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
     compute_alone_factor, measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie,
-    measure_per_expert, measure_routing, per_expert_point, time_call, write_ops_profile)
+    measure_fewer_experts, measure_per_expert, measure_routing, per_expert_point, per_expert_slopes, time_call,
+    write_ops_profile)
 
 # -- everything ------------------------------------------------------------------------------------
 
@@ -149,17 +151,22 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         say("operators: one serial in-process step of the model at its shapes")
         copies = max(1, min(nproc, os.cpu_count() or 1)) if device.type == "cpu" else 1
         ops = measure_ops_concurrent(cfg, copies, timeout_s, work_dir)
+        fewer: list[dict[str, float]] = []  # [Note: per-expert cost] in k3sched/cost.py
         if copies > 1:  # [Note: compute alone] in k3sched/planner.py
-            say("operators: one copy alone, then every copy at once again")
-            alone, ops = compute_alone_factor(cfg, copies, ops, timeout_s, work_dir)
+            say("operators: one copy alone (with one EP rank's experts before and after), then every copy again")
+            alone, ops = compute_alone_factor(cfg, copies, ops, timeout_s, work_dir, fewer)
             hw["compute_alone_factor"] = alone
             rows.append(Row("compute_alone_factor", f"{alone:.3g}", f"the operator profile timed by one process "
                             f"alone over the same timed by {copies} at once (before and after it, mean), at most 1"))
-        per_expert = measure_per_expert(cfg, copies, ops, timeout_s, work_dir and Path(work_dir) / "per_expert")
-        if per_expert:  # [Note: per-expert cost] in k3sched/cost.py
+        else:
+            one = measure_fewer_experts(cfg, copies, timeout_s, work_dir and Path(work_dir) / "fewer")
+            fewer.extend([one] if one else [])
+        per_expert = per_expert_slopes(cfg, ops, fewer)
+        if per_expert:
             rows.append(Row("per_expert_us", ", ".join(f"{k} {v:.3g}" for k, v in per_expert.items()),
-                            f"the operator profile again with {per_expert_point(cfg)} of the {cfg.model.experts} "
-                            "experts (the same tokens): µs per local expert, the slope between the two"))
+                            f"the operator profile with {per_expert_point(cfg)} of the {cfg.model.experts} experts "
+                            f"(the same tokens; {len(fewer)} round(s)): µs per local expert, the slope between "
+                            "the two"))
         rows.append(Row("operator profile", f"{len(ops)} kinds", f"one rank, pp=ep=dp=1, serial, {copies} copies at "
                         "once, median µs per task" + (" (mean of two rounds)" if copies > 1 else "") + ": "
                         + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))

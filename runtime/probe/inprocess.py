@@ -431,17 +431,25 @@ def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir:
 
 
 def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: float = 300.0,
-                         work_dir: str | Path | None = None) -> tuple[float, dict[str, float]]:
+                         work_dir: str | Path | None = None,
+                         fewer: list[dict[str, float]] | None = None) -> tuple[float, dict[str, float]]:
     """``hardware.compute_alone_factor`` ([Note: compute alone] in k3sched/planner.py): the
     operator profile measured by one process alone, against ``first`` (measured by ``copies`` at
     once) and the same measured again after it (the order both, one, both: a drift of the machine's
     speed that is linear over the three cancels); the sum over the kinds, at most 1. Returns it with
-    the per-kind mean of the two measurements with every copy at once (the operator profile)."""
+    the per-kind mean of the two measurements with every copy at once (the operator profile).
+    ``fewer`` (a list, with a MoE model): also the profile with :func:`per_expert_point` experts,
+    ``copies`` at once, just before and just after the one alone (centred like it), appended to it
+    ([Note: per-expert cost] in k3sched/cost.py: :func:`per_expert_slopes`)."""
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="k3sched_ops_") as tmp:
-            return compute_alone_factor(cfg, copies, first, timeout_s, tmp)
+            return compute_alone_factor(cfg, copies, first, timeout_s, tmp, fewer)
     sub = Path(work_dir)
+    if fewer is not None:
+        fewer.extend(p for p in [measure_fewer_experts(cfg, copies, timeout_s, sub / "fewer_a")] if p)
     alone = measure_ops_concurrent(cfg, 1, timeout_s, sub / "alone", isolated=True)
+    if fewer:
+        fewer.append(measure_fewer_experts(cfg, copies, timeout_s, sub / "fewer_b"))
     again = measure_ops_concurrent(cfg, copies, timeout_s, sub / "again")
     both = {k: _sig((first[k] + again[k]) / 2) for k in first if k in again}
     kinds = [k for k in both if k in alone]
@@ -463,24 +471,40 @@ def per_expert_point(cfg) -> int | None:
     return fewer if m.top_k <= fewer < m.experts else None
 
 
-def measure_per_expert(cfg, copies: int, ops: dict[str, float], timeout_s: float = 300.0,
-                       work_dir: str | Path | None = None) -> dict[str, float]:
-    """``per_expert_us`` of the profile ([Note: per-expert cost] in k3sched/cost.py): the operator
-    profile again with :func:`per_expert_point` experts (the same tokens, top-k and every other
-    shape; ``copies`` at once, as ``ops`` was measured), and per expert kind the slope of the line
-    through the two, at least 0. {} when there is no second point."""
+def measure_fewer_experts(cfg, copies: int, timeout_s: float = 300.0,
+                          work_dir: str | Path | None = None) -> dict[str, float] | None:
+    """The operator profile with :func:`per_expert_point` experts (the same tokens, top-k and every
+    other shape; ``copies`` at once); None when there is no such point."""
     fewer = per_expert_point(cfg)
     if fewer is None:
-        return {}
+        return None
     from k3sched.config import config_from_dict
 
     data = cfg.to_dict()
     data["model"] = {**data["model"], "experts": fewer}
     data["parallel"] = {**data["parallel"], "ep": 1, "redundant_experts": 0}
     data["schedule"] = {**data["schedule"], "expert_placement": None}
-    other = measure_ops_concurrent(config_from_dict(data), copies, timeout_s, work_dir)
-    n = cfg.model.experts - fewer
-    return {k: _sig(max(0.0, (ops[k] - other[k]) / n)) for k in EXPERT_OPS if k in ops and k in other}
+    return measure_ops_concurrent(config_from_dict(data), copies, timeout_s, work_dir)
+
+
+def per_expert_slopes(cfg, ops: dict[str, float], fewer: list[dict[str, float]]) -> dict[str, float]:
+    """``per_expert_us`` of the profile ([Note: per-expert cost] in k3sched/cost.py): per expert
+    kind, the slope of the line through ``ops`` (all ``model.experts``) and the mean of the
+    ``fewer`` profiles (:func:`per_expert_point` experts), at least 0. {} without them."""
+    point = per_expert_point(cfg)
+    if point is None or not fewer:
+        return {}
+    n = cfg.model.experts - point
+    return {k: _sig(max(0.0, (ops[k] - statistics.fmean(f[k] for f in fewer)) / n))
+            for k in EXPERT_OPS if k in ops and all(k in f for f in fewer)}
+
+
+def measure_per_expert(cfg, copies: int, ops: dict[str, float], timeout_s: float = 300.0,
+                       work_dir: str | Path | None = None) -> dict[str, float]:
+    """:func:`per_expert_slopes` from one :func:`measure_fewer_experts` after ``ops`` (``k3sched
+    probe`` measures two, around its one-copy round: :func:`compute_alone_factor`)."""
+    one = measure_fewer_experts(cfg, copies, timeout_s, work_dir)
+    return per_expert_slopes(cfg, ops, [one] if one else [])
 
 
 def write_ops_profile(ops_us: dict[str, float], path: str | Path,
@@ -498,8 +522,9 @@ def write_ops_profile(ops_us: dict[str, float], path: str | Path,
     p.write_text("# k3sched probe: operator profile ([Note: operator profile] in runtime/probe/inprocess.py), µs per task "
                  "on one core;\n# overhead_us: the EP tasks' host-side work at ep 1 (the wire time comes on top)\n"
                  + yaml.safe_dump({"format": "k3sched.profile/1", "source": "k3sched probe", "durations_us": compute,
-                                   "overhead_us": overhead, **({"per_expert_us": dict(per_expert_us)}
-                                                               if per_expert_us else {})}, sort_keys=False))
+                                   "overhead_us": overhead,
+                                   **({"per_expert_us": dict(per_expert_us)} if per_expert_us else {})},
+                                  sort_keys=False))
     return p
 
 
