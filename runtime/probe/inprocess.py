@@ -480,10 +480,8 @@ def measure_fewer_experts(cfg, copies: int, timeout_s: float = 300.0,
         return None
     from k3sched.config import config_from_dict
 
-    data = cfg.to_dict()
+    data = _one_rank(cfg, parallel={"redundant_experts": 0}, schedule={"expert_placement": None}).to_dict()
     data["model"] = {**data["model"], "experts": fewer}
-    data["parallel"] = {**data["parallel"], "ep": 1, "redundant_experts": 0}
-    data["schedule"] = {**data["schedule"], "expert_placement": None}
     return measure_ops_concurrent(config_from_dict(data), copies, timeout_s, work_dir)
 
 
