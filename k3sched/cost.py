@@ -201,15 +201,29 @@ class CostModel:
         two. 0 (no entry): the profiled time scales with the tokens alone, as before."""
         return self.profile.per_expert_us.get(kind.value, 0.0) if kind in _EXPERT_KINDS else 0.0
 
+    def at_local_experts(self, kind: Kind, profiled_us: float, token_scale: float = 1.0) -> float:
+        """A profiled time of ``kind`` (every expert on one rank) as this config's rank pays it: the
+        part per local expert for its own slots, the rest (the tokens' part) times ``token_scale``
+        ([Note: per-expert cost]); ``profiled_us * token_scale`` for a kind without that part."""
+        fixed = self.per_expert_us(kind)
+        if not fixed:
+            return profiled_us * token_scale
+        return max(0.0, profiled_us - fixed * self.cfg.model.experts) * token_scale + fixed * self.local_experts()
+
     def local_experts(self) -> int:
         """Expert slots of one EP rank (``experts / ep``, with redundant replicas the placement's
         slots per rank): what :meth:`per_expert_us` is paid for."""
-        m, p = self.cfg.model, self.cfg.parallel
-        if p.ep == 1 or not m.experts:
-            return m.experts
-        from .balance import placement_for
+        n = self.__dict__.get("_local_experts")
+        if n is None:
+            m, p = self.cfg.model, self.cfg.parallel
+            if p.ep == 1 or not m.experts:
+                n = m.experts
+            else:
+                from .balance import placement_for
 
-        return placement_for(self.cfg).per_rank
+                n = placement_for(self.cfg).per_rank
+            self.__dict__["_local_experts"] = n
+        return n
 
     def replica_params(self) -> int:
         """Parameters of one MoE layer's replicated experts (summed over the stage's ranks in grad.rs)."""
@@ -620,14 +634,13 @@ class CostModel:
         hw = self.cfg.hardware
         measured = self.profile.durations_us.get(kind.value)
         if measured is not None:  # measured at the profiled run's routing: balanced ([Note: skewed cost])
-            fixed = self.per_expert_us(kind)  # its local experts' part ([Note: per-expert cost])
-            measured = max(0.0, measured - fixed * self.cfg.model.experts)
+            scale = 1.0
             if self.slice is not None:  # a whole micro-batch's time: the slice's share of its FLOPs or tokens
                 whole = self._whole.flops(kind)
-                measured *= self.flops(kind) / whole if whole else self._slice_fraction()
-            if kind not in _EXPERT_KINDS:
-                return measured
-            return measured * self.skew_factors()[0] + fixed * self.local_experts()
+                scale = self.flops(kind) / whole if whole else self._slice_fraction()
+            if kind in _EXPERT_KINDS:
+                scale *= self.skew_factors()[0]
+            return self.at_local_experts(kind, measured, scale)
         if kind in _GEMM:
             return hw.launch_us + self.flops(kind) / self._flops_per_us
         w = self.wire(kind, layer=layer, nbytes=nbytes, stages=stages)

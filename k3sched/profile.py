@@ -55,7 +55,8 @@ _DX_SAVED = ("attn.dx", "expert.dx", "shared.dx", "mlp.dx", "head.dx")  # CostMo
 _FWD_SAVED = tuple(k.value for k in Kind if k in FWD_KINDS)
 _SAVED_KINDS = _FWD_SAVED + _DX_SAVED
 _COMM_KINDS = tuple(k.value for k in Kind if LANE_OF[k] != "compute")
-_EXPERT_OPS = (Kind.EXPERT_FWD.value, Kind.EXPERT_DX.value, Kind.EXPERT_DW.value)
+EXPERT_OPS = (Kind.EXPERT_FWD.value, Kind.EXPERT_DX.value, Kind.EXPERT_DW.value)
+"""The kinds a profile's ``per_expert_us`` may name ([Note: per-expert cost] in k3sched/cost.py)."""
 # [Note: profile document] A profile YAML is checked strictly and in full before the cost model
 # uses it (ConfigError naming the file, the key path, the value and what is allowed): only the
 # keys below; each section a mapping (a null or a list is an error, leave it out instead); names
@@ -71,7 +72,7 @@ _PROFILE_MAPS: dict[str, tuple[tuple[str, ...], str, float, bool, float, str]] =
     "link_efficiency": (LANES, "lane", 0.0, True, 1.0, "achieved / configured link rate"),
     "overhead_us": (_COMM_KINDS, "communication kind", 0.0, False, _MAX_US, "µs per task"),
     "time_cv": (_KINDS, "task kind", 0.0, False, 10.0, "std / mean of the task's cost"),
-    "per_expert_us": (_EXPERT_OPS, "MoE expert kind", 0.0, False, _MAX_US, "µs per local expert"),
+    "per_expert_us": (EXPERT_OPS, "MoE expert kind", 0.0, False, _MAX_US, "µs per local expert"),
 }
 _CPU_NS = (0.0, False, 1e6)
 

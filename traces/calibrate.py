@@ -162,7 +162,7 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     known = None
     if model is not None and model.cfg.hardware.host_cores:
         known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: the least slope
-        floor = {k: _local(model, Kind(k), d) * model.share(Kind(k))
+        floor = {k: model.at_local_experts(Kind(k), d) * model.share(Kind(k))
                  for k, d in _plan_profile(plan, "durations_us").items() if k in Kind._value2member_map_}
         cpu_ns, steal = _cpu_steal(occ, tasks, model, floor, known)
         steal.update(_waits_beside_compute(occ, tasks, model))
@@ -571,13 +571,6 @@ def _own_profile(plan: dict) -> Profile | None:
         return load_profile(path) if path else None
     except ConfigError:
         return None
-
-
-def _local(model: CostModel, kind: Kind, d: float) -> float:
-    """A profiled time ``d`` of ``kind`` (every expert on one rank) at the source's local experts,
-    balanced: the floor of an expert op ([Note: per-expert cost] in k3sched/cost.py)."""
-    fixed = model.per_expert_us(kind)
-    return max(0.0, d - fixed * model.cfg.model.experts) + fixed * model.local_experts()
 
 
 def _plan_profile(plan: dict, field_name: str) -> dict:

@@ -83,7 +83,7 @@ from .inprocess import (  # noqa: F401
     COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
     bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
     compute_alone_factor, measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie,
-    measure_fewer_experts, measure_per_expert, measure_routing, per_expert_point, per_expert_slopes, time_call,
+    measure_fewer_experts, measure_routing, per_expert_point, per_expert_slopes, time_call,
     write_ops_profile)
 
 # -- everything ------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class ProbeResult:
     ops_us: dict[str, float] = field(default_factory=dict)
     """:func:`measure_ops` (with a config): µs per compute task kind, one core."""
     per_expert_us: dict[str, float] = field(default_factory=dict)
-    """:func:`measure_per_expert` (with a MoE config): µs of each expert kind per local expert."""
+    """:func:`per_expert_slopes` (with a MoE config): µs of each expert kind per local expert."""
     routing_imbalance: float = 1.0
     """:func:`measure_routing` (with a config): the model's ``model.routing_imbalance`` over its EP ranks."""
 

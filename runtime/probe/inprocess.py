@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3sched.profile import EXPERT_OPS
 from runtime.launch import REPO
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -445,19 +446,17 @@ def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: f
         with tempfile.TemporaryDirectory(prefix="k3sched_ops_") as tmp:
             return compute_alone_factor(cfg, copies, first, timeout_s, tmp, fewer)
     sub = Path(work_dir)
-    if fewer is not None:
-        fewer.extend(p for p in [measure_fewer_experts(cfg, copies, timeout_s, sub / "fewer_a")] if p)
+    around = fewer is not None and per_expert_point(cfg) is not None
+    if around:
+        fewer.append(measure_fewer_experts(cfg, copies, timeout_s, sub / "fewer_a"))
     alone = measure_ops_concurrent(cfg, 1, timeout_s, sub / "alone", isolated=True)
-    if fewer:
+    if around:
         fewer.append(measure_fewer_experts(cfg, copies, timeout_s, sub / "fewer_b"))
     again = measure_ops_concurrent(cfg, copies, timeout_s, sub / "again")
     both = {k: _sig((first[k] + again[k]) / 2) for k in first if k in again}
     kinds = [k for k in both if k in alone]
     factor = sum(alone[k] for k in kinds) / sum(both[k] for k in kinds) if kinds else 1.0
     return min(1.0, factor), both
-
-
-EXPERT_OPS = ("expert.fwd", "expert.dx", "expert.dw")
 
 
 def per_expert_point(cfg) -> int | None:
@@ -497,18 +496,10 @@ def per_expert_slopes(cfg, ops: dict[str, float], fewer: list[dict[str, float]])
             for k in EXPERT_OPS if k in ops and all(k in f for f in fewer)}
 
 
-def measure_per_expert(cfg, copies: int, ops: dict[str, float], timeout_s: float = 300.0,
-                       work_dir: str | Path | None = None) -> dict[str, float]:
-    """:func:`per_expert_slopes` from one :func:`measure_fewer_experts` after ``ops`` (``k3sched
-    probe`` measures two, around its one-copy round: :func:`compute_alone_factor`)."""
-    one = measure_fewer_experts(cfg, copies, timeout_s, work_dir)
-    return per_expert_slopes(cfg, ops, [one] if one else [])
-
-
 def write_ops_profile(ops_us: dict[str, float], path: str | Path,
                       per_expert_us: dict[str, float] | None = None) -> Path:
     """The operator profile as a ``schedule.profile`` YAML (``durations_us``, ``overhead_us``, and
-    ``per_expert_us`` when given: :func:`measure_per_expert`)."""
+    ``per_expert_us`` when given: :func:`per_expert_slopes`)."""
     import yaml
 
     p = Path(path)
