@@ -188,9 +188,10 @@ class CostModel:
         gradient (bytes of every local expert's weights, twice), and each local expert is a GEMM call
         of its own. Measured with every expert on one rank (the operator profile), that part is not
         what a rank of ``ep`` ranks, holding ``experts / ep``, pays. On the 2-core testbed at
-        benchmarks/bench_overlap.py's shapes (two copies computing at once), expert.dw took 16.3 ms
-        with 8 experts and 11.8 ms with 4 (the same tokens), expert.fwd 14.4 and 13.5, expert.dx 15.3
-        and 13.5; in EP 2 runs planned from the 8-expert profile alone, expert.dw ran 0.56-0.65 of its
+        benchmarks/bench_overlap.py's shapes (two copies computing at once: runtime/probe's
+        ``measure_ops_concurrent``, twice each, 2026-12-04), expert.dw took 16.3 ms with 8 experts and
+        11.8 ms with 4 (the same tokens), expert.fwd 14.4 and 13.5, expert.dx 15.3 and 13.5 (the
+        bench's probe: 540 / 629 / 1035 µs per expert for fwd / dx / dw); in EP 2 runs planned from the 8-expert profile alone, expert.dw ran 0.56-0.65 of its
         planned time on the two ranks' mean (fwd 0.78-0.91, dx 0.78-0.87), which made the plans'
         compute too long, hence their overlap too high and their serial steps too long. So a profile
         may give per expert kind ``per_expert_us``: the profiled time is that much per expert (of
