@@ -9,7 +9,7 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
 - k3 and serial runs in the order k3, serial, serial, k3 (``ORDER``; ``--once``: one each), each
   strategy's measured figures the mean of its runs, DeepSpeed's run in the middle;
 - k3 (the co-schedule, at the look-ahead and WGrad lag of ``KNOBS`` whose plan is fastest, chosen
-  from the plans alone; ``--config-knobs``: the config's own) and serial (one task at a time per
+  from the plans alone, by their expected steps; ``--config-knobs``: the config's own) and serial (one task at a time per
   rank, [Note: serial execution] in runtime/executor.py), both executed by the runtime; for the
   EP-bound config also the DeepSpeed-MoE model of ``bench_runtime.py`` (plain autograd, same
   shapes, same shaped links);
@@ -138,15 +138,17 @@ the same model on the same micro-batches."""
 
 
 def fastest_knobs(overrides: list[str]) -> list[str]:
-    """The look-ahead and WGrad lag of ``KNOBS`` whose k3 plan has the shortest planned step (the
-    planner's own prediction; the runs are not consulted)."""
+    """The look-ahead and WGrad lag of ``KNOBS`` whose k3 plan has the shortest expected step (the
+    planner's own prediction with the probed task-time spread, [Note: ranking with a task-time
+    spread] in k3sched/compare.py; the planned step without one; the runs are not consulted)."""
     from k3sched.config import load_config
     from k3sched.planner import plan
 
     best: tuple[float, list[str]] | None = None
     for la, lag in KNOBS:
         knobs = [f"schedule.lookahead={la}", f"schedule.wgrad_lag={lag}"]
-        step = plan(load_config(TINY, overrides + knobs), "k3").metrics["step_time_us"]
+        m = plan(load_config(TINY, overrides + knobs), "k3").metrics
+        step = (m.get("expected") or m)["step_time_us"]
         if best is None or step < best[0]:
             best = (step, knobs)
     return best[1]

@@ -27,7 +27,10 @@ limit. A config already planned (same config after normalisation, e.g.
 budget (``schedule.device_memory_budget``), so a plan that cannot fit it is infeasible and left out
 of the front; the Pareto front is taken over (step time, peak device memory) of the feasible
 plans. The search stops at the time limit with the best found so far (the plans in flight are
-abandoned), keeping time to re-plan and write the best.
+abandoned), keeping time to re-plan and write the best. With a task-time spread in the config
+(``hardware.task_time_cv``, or a profile's ``time_cv``) "step time" here is each plan's expected
+step, its lane orders replayed with sampled durations ([Note: ranking with a task-time spread] in
+k3sched/compare.py); the planned step is shown beside it.
 
 The comparison point, "what a Megatron user runs by default": interleaved 1F1B (the config's vpp,
 at least 2), the config's micro-batching, no offload, no recompute, no FP8 storage, no dispatch
@@ -92,6 +95,7 @@ class Result:
     peak_device: int | None = None
     exposed_ep_ratio: float | None = None
     bubble: float | None = None
+    expected_us: float | None = None  # with a task-time spread: the mean step of the plan's replay
     plan_s: float = 0.0
     error: str | None = None
     phase: str = ""
@@ -99,6 +103,12 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def rank_us(self) -> float | None:
+        """What the search minimises: the expected step when the config has a task-time spread,
+        else the planned step ([Note: ranking with a task-time spread] in k3sched/compare.py)."""
+        return self.expected_us if self.expected_us is not None else self.step_us
 
     def set_args(self) -> list[str]:
         return [f"{k}={_yaml(v)}" for k, v in sorted(self.overrides.items())]
@@ -169,6 +179,7 @@ def plan_metrics(data: dict[str, Any]) -> dict[str, Any]:
     return {"step_us": float(m["step_time_us"]), "lower_bound_us": float(m["lower_bound_us"]),
             "peak_device": int(max(m["peak_device_bytes"])), "exposed_ep_ratio": float(m["exposed_ep_ratio"]),
             "bubble": float(sum(b["compute"] for b in m["bubble_ratio"]) / pp),
+            **({"expected_us": float(m["expected"]["step_time_us"])} if m.get("expected") else {}),
             "plan_s": time.perf_counter() - t0}
 
 
@@ -231,7 +242,7 @@ class Tuner:
 
     def best(self) -> Result | None:
         ok = [r for r in self.results if r.ok and r.peak_device <= self.budget_bytes]
-        return min(ok, key=lambda r: (r.step_us, r.peak_device)) if ok else None
+        return min(ok, key=lambda r: (r.rank_us, r.peak_device)) if ok else None
 
     def evaluate(self, pool, batch: list[dict[str, Any]], phase: str, budget_gib: float | None = None) -> list[Result]:
         """Plan every override set of ``batch`` (cached ones answered at once), in parallel; stop
@@ -400,7 +411,7 @@ def search(tuner: Tuner, pool) -> None:
     while tuner.remaining() > 0:
         passes += 1
         fits = sorted((r for r in tuner.results if r.ok and r.peak_device <= tuner.budget_bytes),
-                      key=lambda r: r.step_us)
+                      key=lambda r: r.rank_us)
         starts: list[Result] = []
         for r in fits:
             if all(r.overrides != s.overrides for s in starts):
@@ -426,8 +437,8 @@ def search(tuner: Tuner, pool) -> None:
                         and {k: v for k, v in r.overrides.items() if k != knob}
                         == {k: v for k, v in s.overrides.items() if k != knob}]
                 if mine:
-                    b = min(mine, key=lambda r: r.step_us)
-                    if b.step_us < s.step_us * (1 - 1e-6):
+                    b = min(mine, key=lambda r: r.rank_us)
+                    if b.rank_us < s.rank_us * (1 - 1e-6):
                         starts[i] = b
                         improved = True
         if not improved:
@@ -435,13 +446,14 @@ def search(tuner: Tuner, pool) -> None:
 
 
 def pareto(results: list[Result], budget: int | None = None) -> list[Result]:
-    """The feasible results no other beats on both step time and peak device memory, by step."""
+    """The feasible results no other beats on both step time (:attr:`Result.rank_us`) and peak
+    device memory, by step."""
     ok = sorted((r for r in results if r.ok and (budget is None or r.peak_device <= budget)),
-                key=lambda r: (r.step_us, r.peak_device))
+                key=lambda r: (r.rank_us, r.peak_device))
     front: list[Result] = []
     for r in ok:
         if not front or r.peak_device < front[-1].peak_device:
-            if front and r.step_us == front[-1].step_us:
+            if front and r.rank_us == front[-1].rank_us:
                 continue
             front.append(r)
     return front
@@ -461,14 +473,20 @@ def pareto_table(front: list[Result], best: Result | None, title: str) -> "Table
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
-    for name in ("step ms", "peak GiB", "x bound", "exp. EP", "bubble", "overrides"):
+    spread = any(r.expected_us is not None for r in front)
+    for name in ("step ms", *(("expected ms",) if spread else ()), "peak GiB", "x bound", "exp. EP", "bubble",
+                 "overrides"):
         t.add_column(name, justify="left" if name == "overrides" else "right", no_wrap=name != "overrides",
                      overflow="fold")
     for r in front:
         mark = " *" if r is best else ""
-        t.add_row(f"{r.step_us / 1e3:.1f}{mark}", _gib(r.peak_device), f"{r.step_us / r.lower_bound_us:.3f}",
-                  f"{r.exposed_ep_ratio * 100:.1f}%", f"{r.bubble * 100:.1f}%", " ".join(r.set_args()) or "(config)")
-    t.caption = "* best within the budget; overrides: --set arguments on top of the config"
+        exp = ((f"{r.expected_us / 1e3:.1f}{mark}" if r.expected_us is not None else "-"),) if spread else ()
+        t.add_row(f"{r.step_us / 1e3:.1f}{'' if spread else mark}", *exp, _gib(r.peak_device),
+                  f"{r.step_us / r.lower_bound_us:.3f}", f"{r.exposed_ep_ratio * 100:.1f}%", f"{r.bubble * 100:.1f}%",
+                  " ".join(r.set_args()) or "(config)")
+    t.caption = ("* best within the budget" + (" by its expected step (the plan replayed with the config's task-time "
+                                               "spread)" if spread else "")
+                 + "; overrides: --set arguments on top of the config")
     return t
 
 
@@ -489,7 +507,7 @@ def pareto_png(results: list[Result], front: list[Result], best: Result | None, 
            fill="black", font=font)
     if ok:
         xs = [r.peak_device / GiB for r in ok] + [budget / GiB]
-        ys = [r.step_us / 1e3 for r in ok]
+        ys = [r.rank_us / 1e3 for r in ok]
         x0, x1 = 0.0, max(xs) * 1.05
         y0, y1 = min(ys) * 0.95, max(ys) * 1.05 if max(ys) > min(ys) else min(ys) * 1.1
 
@@ -505,24 +523,25 @@ def pareto_png(results: list[Result], front: list[Result], best: Result | None, 
             _, b = px(x0, gy)
             d.text((4, b - 6), _num(gy), fill="black", font=font)
         d.text((w // 2 - 60, h - 20), "peak device GiB", fill="black", font=font)
-        d.text((4, top - 16), "step ms", fill="black", font=font)
+        d.text((4, top - 16), "expected step ms" if any(r.expected_us is not None for r in ok) else "step ms",
+               fill="black", font=font)
         bx, _ = px(budget / GiB, y0)
         for yy in range(top, h - bottom, 10):
             d.line([(bx, yy), (bx, yy + 5)], fill="red")
         for r in results:
             if r.ok:
-                x, y = px(r.peak_device / GiB, r.step_us / 1e3)
+                x, y = px(r.peak_device / GiB, r.rank_us / 1e3)
                 d.ellipse([x - 2, y - 2, x + 2, y + 2], fill="#999999")
-        pts = [px(r.peak_device / GiB, r.step_us / 1e3) for r in sorted(front, key=lambda r: r.peak_device)]
+        pts = [px(r.peak_device / GiB, r.rank_us / 1e3) for r in sorted(front, key=lambda r: r.peak_device)]
         if len(pts) > 1:
             d.line(pts, fill="red", width=2)
         for x, y in pts:
             d.ellipse([x - 3, y - 3, x + 3, y + 3], fill="red")
         if best is not None:
-            x, y = px(best.peak_device / GiB, best.step_us / 1e3)
+            x, y = px(best.peak_device / GiB, best.rank_us / 1e3)
             d.ellipse([x - 7, y - 7, x + 7, y + 7], outline="black", width=2)
         if megatron is not None and megatron.ok:
-            x, y = px(megatron.peak_device / GiB, megatron.step_us / 1e3)
+            x, y = px(megatron.peak_device / GiB, megatron.rank_us / 1e3)
             d.rectangle([x - 4, y - 4, x + 4, y + 4], fill="#1f77b4")
     img.save(path, format="PNG")
     return path
@@ -541,7 +560,7 @@ def _progress_bar(tuner: Tuner, console: "Console", time_limit_s: float):
         bar.update(task, completed=min(time_limit_s, time.perf_counter() - t.t0),
                    description=f"tune ({r.phase})",
                    info=f"{len(t.results)} planned, {t.cache_hits} cached, best "
-                        f"{b.step_us / 1e3:.1f} ms" if b else f"{len(t.results)} planned, none fits yet")
+                        f"{b.rank_us / 1e3:.1f} ms" if b else f"{len(t.results)} planned, none fits yet")
 
     tuner.on_result = on_result
     return bar
@@ -585,21 +604,24 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
     stop = "stopped at the time limit" if tuner.timed_out else "search complete"
     console.print(f"{len(tuner.results)} plans ({tuner.cache_hits} answered from the cache) in {elapsed:.1f} s, "
                   f"{jobs} processes; {stop}", highlight=False)
+    if best is not None and best.expected_us is not None:
+        console.print("times below are expected steps: the plans replayed with the config's task-time spread "
+                      "([Note: ranking with a task-time spread] in k3sched/compare.py)", highlight=False)
     if megatron is not None and megatron.ok:
         fits = "fits" if megatron.peak_device <= tuner.budget_bytes else "does NOT fit"
         line = (f"Megatron default (interleaved-1f1b vpp {mov['parallel.vpp']}, no offload, the config's "
-                f"micro-batching): {megatron.step_us / 1e3:.1f} ms, peak {megatron.peak_device / GiB:.1f} GiB "
+                f"micro-batching): {megatron.rank_us / 1e3:.1f} ms, peak {megatron.peak_device / GiB:.1f} GiB "
                 f"({fits} the {budget:g} GiB budget)")
         if best is not None:
-            line += (f"; tuned: {best.step_us / 1e3:.1f} ms, {megatron.step_us / best.step_us:.3f}x faster "
-                     f"({(1 - best.step_us / megatron.step_us) * 100:.1f}% less step time)")
+            line += (f"; tuned: {best.rank_us / 1e3:.1f} ms, {megatron.rank_us / best.rank_us:.3f}x faster "
+                     f"({(1 - best.rank_us / megatron.rank_us) * 100:.1f}% less step time)")
         console.print(line, highlight=False)
     elif megatron is not None:
         console.print(f"Megatron default: not planned ({megatron.error})", highlight=False)
     own = next((r for r in tuner.results if r.phase == "config"), None)
     if own is not None and best is not None:
-        console.print(f"the config as given: " + (f"{own.step_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
-                                                  f"tuned {own.step_us / best.step_us:.3f}x faster" if own.ok
+        console.print(f"the config as given: " + (f"{own.rank_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
+                                                  f"tuned {own.rank_us / best.rank_us:.3f}x faster" if own.ok
                                                   else f"not planned ({own.error})"), highlight=False)
     if best is None:
         console.print(f"no plan fits {budget:g} GiB", highlight=False)

@@ -112,3 +112,37 @@ def test_compare_command_narrow_prints_notes(tmp_path) -> None:
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 120
     assert "(1) zb-v: skipped" in text
+
+
+def test_without_a_spread_rows_have_no_expected_step(rows) -> None:
+    assert all(r.expected_us is None for r in rows)
+    console = Console(width=120, record=True)
+    console.print(render_table(rows))
+    assert "expected" not in console.export_text()
+
+
+def test_a_task_time_spread_ranks_schedules_by_their_expected_step() -> None:
+    """[Note: ranking with a task-time spread]: with ``hardware.task_time_cv`` 0.3 on tiny-cpu,
+    chimera plans a shorter step than dualpipev but expects a longer one (its transfers are hidden
+    with less room), so the fastest row is dualpipev; the planned ranking would pick chimera."""
+    cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
+    rows = compare(cfg, ["chimera", "dualpipev"])
+    by = {r.label: r for r in rows}
+    for r in rows:
+        assert r.ok and r.expected_us == pytest.approx(r.plan.metrics["expected"]["step_time_us"])
+    k3 = [by["chimera-k3"], by["dualpipev-k3"]]
+    assert by["chimera-k3"].step_us < by["dualpipev-k3"].step_us, "the planned ranking no longer differs here"
+    assert by["chimera-k3"].expected_us > by["dualpipev-k3"].expected_us
+    assert best_row(rows) is by["dualpipev-k3"] is min(k3, key=lambda r: r.expected_us)
+    serial = rows[-1]
+    assert serial.expected_us == pytest.approx(serial.step_us)  # a serial plan's tasks are taken as exact
+    console = Console(width=120, record=True)
+    console.print(render_table(rows))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "expected" in text and f"{by['dualpipev-k3'].expected_us / 1e3:.3f}" in text and "dualpipev *" in text
+    wide = Console(width=240, record=True)
+    wide.print(render_table(rows + compare(load_config(TINY, ["parallel.pp=4", "hardware.task_time_cv=0.3"]),
+                                           ["zb-v"]), wide=True))
+    wtext = wide.export_text()
+    assert "expected ms" in wtext and "skipped: zb-v" in wtext

@@ -108,3 +108,28 @@ def test_workers_plan_in_processes_and_abandon_slow_plans() -> None:
         res += w.poll(0.0)
     assert res[0][1]["error"].startswith("abandoned")
     w.close()
+
+
+def test_with_a_task_time_spread_the_search_minimises_the_expected_step(tmp_path) -> None:
+    """[Note: ranking with a task-time spread]: every result carries its plan's expected step, the
+    best is the feasible one with the least expected step, and the outputs say so."""
+    from k3sched.config import config_from_dict
+    from k3sched.planner import plan
+
+    cfg = load_config(TINY, ["hardware.task_time_cv=0.3", "parallel.microbatches=2"])
+    tuner = Tuner(cfg, cfg.hardware.device_memory_gb, time_limit_s=120, jobs=1)
+    search(tuner, None)
+    ok = [r for r in tuner.results if r.ok and r.peak_device <= tuner.budget_bytes]
+    assert ok and all(r.expected_us is not None and r.rank_us == r.expected_us for r in ok)
+    best = tuner.best()
+    assert best.expected_us == min(r.expected_us for r in ok)
+    again = plan(config_from_dict(cfg.to_dict(), best.set_args())).metrics
+    assert again["expected"]["step_time_us"] == best.expected_us and again["step_time_us"] == best.step_us
+    assert [r.rank_us for r in pareto(tuner.results)] == sorted(r.rank_us for r in pareto(tuner.results))
+    console = Console(width=120, record=True)
+    assert tune_command(TINY, ["hardware.task_time_cv=0.3", "parallel.microbatches=2"], None, 60.0, 2, tmp_path,
+                        console, progress=False) == 0
+    text = console.export_text()
+    assert "expected ms" in text and "times below are expected steps" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert json.loads((tmp_path / "tune.json").read_text())["best"]["expected_us"] > 0
