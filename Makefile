@@ -6,9 +6,9 @@ $(VENV): pyproject.toml scripts/setup.sh
 
 run: $(VENV)
 	.venv/bin/k3sched plan configs/tiny-cpu.yaml --out out/tiny-cpu/plan --timeline
-	.venv/bin/k3sched run configs/tiny-cpu.yaml --out out/tiny-cpu --steps 5
+	.venv/bin/k3sched run configs/tiny-cpu.yaml --out out/tiny-cpu --steps 5 --trace-steps
 	.venv/bin/k3sched validate --plan out/tiny-cpu/plan.json out/tiny-cpu/trace_rank*.json --cross-rank-clocks --json out/tiny-cpu/validation.json
-	.venv/bin/k3sched calibrate out/tiny-cpu/trace_rank*.json --plan out/tiny-cpu/plan.json -o out/tiny-cpu/profile.yaml
+	.venv/bin/k3sched calibrate out/tiny-cpu/trace_steps_rank*.json --plan out/tiny-cpu/plan.json -o out/tiny-cpu/profile.yaml
 	.venv/bin/k3sched plan configs/tiny-cpu.yaml --set schedule.profile=out/tiny-cpu/profile.yaml --out out/tiny-cpu/calibrated
 
 test: $(VENV)

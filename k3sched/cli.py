@@ -329,6 +329,8 @@ def run(
     steps: int = typer.Option(3, help="Training steps."),
     warmup_steps: int = typer.Option(1, help="Steps left out of the summary's measured step time (the median of "
                                              "the rest)."),
+    trace_steps: bool = typer.Option(False, help="Also write trace_steps_rank{R}.json: every step from the last "
+                                                 "warm-up step on (k3sched calibrate drops the first as warm-up)."),
     nproc: Optional[int] = typer.Option(None, help="Local ranks (default: pp*ep*dp of the config; must match)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a field: SECTION.KEY=VALUE (repeatable)."),
     strategy: Optional[str] = typer.Option(None, help="k3 (five-lane co-schedule) or serial (no overlap)."),
@@ -378,7 +380,7 @@ def run(
                                  emulate_links=emulate_links,
                                  save_every=save_every, save_mode=save_mode, resume=resume, p2p=p2p,
                                  racecheck=racecheck, drop_deps=list(drop_dep or []), device=device,
-                                 warmup_steps=warmup_steps))
+                                 warmup_steps=warmup_steps, trace_steps=trace_steps))
 
 
 @command()

@@ -310,7 +310,8 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
                 quiet: bool = False, nsys_retries: int = 1, emulate_links: bool = False,
                 link_rates: dict | None = None, save_every: int = 0, save_mode: str = "async",
                 resume: str | None = None, p2p: str = "buffered", racecheck: bool = False,
-                drop_deps: list[str] | None = None, device: str | None = None, warmup_steps: int = 1) -> int:
+                drop_deps: list[str] | None = None, device: str | None = None, warmup_steps: int = 1,
+                trace_steps: bool = False) -> int:
     """Run ``steps`` training steps of ``config_path`` on ``nproc`` local ranks (default: the
     config's pp*ep*dp). Returns 0 on success, 1 when a rank failed or the run timed out, 2 on a
     user error (nothing launched). Outputs land in ``out_dir`` (see :mod:`runtime.train`).
@@ -323,7 +324,9 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     runtime/stage/p2p.py). ``racecheck``: run the race detector on every rank ([Note: race detector] in
     runtime/racecheck.py); ``drop_deps``: ``CONSUMER=PRODUCER`` plan dependencies removed before
     running (checked against the plan). ``device``: cpu, cuda or None (:func:`resolve_device`).
-    ``warmup_steps``: the first steps left out of the summary's measured step (the median of the rest)."""
+    ``warmup_steps``: the first steps left out of the summary's measured step (the median of the rest).
+    ``trace_steps``: also write ``trace_steps_rank{R}.json``, the tasks of every step from the last
+    warm-up step on ([Note: traces of the measured steps] in runtime/train.py)."""
     out = Path(out_dir)
     if p2p not in ("buffered", "strict"):
         _err(f"--p2p: must be buffered or strict; got {p2p!r}")
@@ -335,6 +338,8 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         return 2
     if warmup_steps != 1:
         extra_args = [*(extra_args or []), "--warmup-steps", str(warmup_steps)]
+    if trace_steps:
+        extra_args = [*(extra_args or []), "--trace-steps"]
     from runtime.options import RuntimeOptions
 
     try:

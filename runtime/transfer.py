@@ -77,7 +77,7 @@ def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps
     from runtime.launch import run_command
 
     rc = run_command(config, overrides, steps, None, out, timeout_s=600, quiet=True, emulate_links=True,
-                     warmup_steps=warmup_steps)
+                     warmup_steps=warmup_steps, trace_steps=True)
     if rc != 0:
         raise RuntimeError(f"run {overrides} failed with exit {rc}")
     return json.loads((out / "summary.json").read_text())
@@ -109,7 +109,8 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     src = out / "source"
     before = float(_run(config, source, steps, src, warmup_steps)["measured_step_time_us"])
     profile = out / "profile.yaml"
-    fit = calibrate_files(sorted(str(p) for p in src.glob("trace_rank*.json")), src / "plan.json", profile,
+    # the measured steps, not the last alone ([Note: traces of the measured steps] in runtime/train.py)
+    fit = calibrate_files(sorted(str(p) for p in src.glob("trace_steps_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
     rows = []
     last = None

@@ -33,9 +33,10 @@ def _run(out: Path, overrides: list[str], steps: int, **kw) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """The tiny config as shipped (PP 2 x EP 2, 4 ranks), 3 steps, the first two warm-up."""
+    """The tiny config as shipped (PP 2 x EP 2, 4 ranks), 3 steps, the first two warm-up, with the
+    traces of the measured steps."""
     out = tmp_path_factory.mktemp("tiny")
-    assert _run(out, [], 3, warmup_steps=2) == 0
+    assert _run(out, [], 3, warmup_steps=2, trace_steps=True) == 0
     return out
 
 
@@ -100,6 +101,44 @@ def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):
         for lane, ts in plan["stages"][stage]["lanes"].items():
             ran = [e["name"] for e in sorted(xs, key=lambda e: e["ts"]) if e["args"]["lane"] == lane]
             assert ran == [t["id"] for t in ts]
+
+
+def test_trace_steps_hold_the_last_warmup_step_and_the_measured_ones_on_one_clock(tiny_run):
+    """[Note: traces of the measured steps] in runtime/train.py: with 3 steps, 2 of them warm-up,
+    trace_steps_rank{R}.json holds steps 1 and 2; its step 2 is trace_rank{R}.json's (same spans, one
+    shift for every rank: both are aligned to the earliest task of any rank, of step 1 and of step 2),
+    and calibrating from it drops step 1 as warm-up, so it fits exactly what the last step's traces
+    fit."""
+    from traces.calibrate import fit_profile
+    from traces.chrome import table_from_runtime
+
+    plan = json.loads((tiny_run / "plan.json").read_text())
+    shifts = set()
+    steps, last = [], []
+    for rank in range(4):
+        trace = json.loads((tiny_run / f"trace_rank{rank}.json").read_text())
+        both = json.loads((tiny_run / f"trace_steps_rank{rank}.json").read_text())
+        assert both["otherData"]["steps"] == [1, 2] and both["otherData"]["rank"] == rank
+        assert both["otherData"]["format"] == trace["otherData"]["format"]
+        xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        bx = [e for e in both["traceEvents"] if e["ph"] == "X"]
+        assert len(bx) == 2 * len(xs) and {e["args"]["step"] for e in bx} == {1, 2}
+        second = {e["name"]: e for e in bx if e["args"]["step"] == 2}
+        first_end = max(e["ts"] + e["dur"] for e in bx if e["args"]["step"] == 1)
+        for e in xs:
+            s = second[e["name"]]
+            assert s["dur"] == e["dur"] and s["tid"] == e["tid"] and s["ts"] > first_end - 1.0
+            shifts.add(round(s["ts"] - e["ts"], 0))
+        steps.append(table_from_runtime(both))
+        last.append(table_from_runtime(trace))
+    assert len(shifts) <= 2, shifts  # one shift (rounding of the two alignments aside)
+    from traces.events import EventTable
+
+    fit_steps = fit_profile(plan, EventTable.concat(steps))
+    fit_last = fit_profile(plan, EventTable.concat(last))
+    assert fit_steps.steps_used == fit_last.steps_used == 1
+    assert fit_steps.durations_us == pytest.approx(fit_last.durations_us, rel=1e-6)
+    assert fit_steps.latency_us == pytest.approx(fit_last.latency_us, rel=1e-6)
 
 
 def test_summary_gives_each_ranks_lane_busy_and_overlap_per_step_as_its_trace_does(tiny_run):

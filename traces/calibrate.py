@@ -2,9 +2,10 @@
 profile.yaml`` writes the profile YAML :func:`k3sched.cost.load_profile` reads.
 
 [Note: calibration]
-The measured instances of the plan's tasks (runtime traces ``trace_rank*.json``: the last step; an
-nsys SQLite: every step, the first dropped as warm-up when there are several) are joined to the plan
-by task id. What a task *costs* is not always its measured span:
+The measured instances of the plan's tasks (runtime traces ``trace_rank*.json``: the last step;
+``trace_steps_rank*.json``, ``k3sched run --trace-steps``: every step from the last warm-up step on;
+an nsys SQLite: every step; the first dropped as warm-up when there are several) are joined to the
+plan by task id. What a task *costs* is not always its measured span:
 
 - compute and local-copy tasks (``compute`` lane, ``offload_local``): end - start.
 - collectives on the ``ep`` and ``collective`` lanes (all-to-alls, ``grad.rs``): every rank of the
