@@ -135,7 +135,7 @@ def test_a_task_time_spread_ranks_schedules_by_their_expected_step() -> None:
     assert by["chimera-k3"].expected_us > by["dualpipev-k3"].expected_us
     assert best_row(rows) is by["dualpipev-k3"] is min(k3, key=lambda r: r.expected_us)
     serial = rows[-1]
-    assert serial.expected_us == pytest.approx(serial.step_us)  # a serial plan's tasks are taken as exact
+    assert serial.expected_us > serial.step_us  # its ranks wait for each other at the all-to-alls
     console = Console(width=120, record=True)
     console.print(render_table(rows))
     text = console.export_text()

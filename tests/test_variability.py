@@ -36,8 +36,7 @@ def _two_task_step(cv: float, ep: int):
 
 def test_every_task_of_a_co_scheduled_stage_with_transfers_spreads():
     """[Note: spread of a task the plan puts alone]: the task the plan puts beside the transfer and
-    the one it puts alone both spread; a serial plan's tasks, and a stage without a transfer that
-    takes time, stay exact."""
+    the one it puts alone both spread; a stage without a transfer that takes time stays exact."""
     from k3sched.variability import _by_stage, _spread_tasks
 
     a = Task("s0/mb0/L1/attn.fwd", Kind.ATTN_FWD, "compute", 0, 0, 0, 1, duration_us=1000.0, start_us=0.0,
@@ -50,8 +49,7 @@ def test_every_task_of_a_co_scheduled_stage_with_transfers_spreads():
              end_us=1000.0)
     e = Task("s1/mb1/L2/combine.fwd", Kind.COMBINE_FWD, "ep", 1, 0, 1, 2, duration_us=0.0, start_us=0.0, end_us=0.0)
     tl = [a, b, c, d, e]
-    assert _spread_tasks(tl, _by_stage(tl), serial=False) == {0, 1}
-    assert _spread_tasks(tl, _by_stage(tl), serial=True) == set()
+    assert _spread_tasks(tl, _by_stage(tl)) == {0, 1}
 
 
 def test_an_all_to_all_starts_at_the_expected_maximum_of_its_ranks():
@@ -101,6 +99,18 @@ def test_a_serial_plan_replays_one_task_at_a_time():
     cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
     e = plan(cfg, "serial").metrics["expected"]
     assert e["comm_overlap_ratio"] == [0.0, 0.0]
+
+
+def test_a_serial_plans_tasks_spread_and_its_ranks_wait_for_each_other():
+    """[Note: spread of a task the plan puts alone]: a serial plan's compute spreads as a
+    co-scheduled one's (measured so on the testbed), so its EP ranks wait for each other at every
+    all-to-all and its expected step is above the planned one; without a spread it is the plan."""
+    cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
+    p = plan(cfg, "serial")
+    e = p.metrics["expected"]
+    assert e["step_time_us"] > 1.02 * p.metrics["step_time_us"]
+    assert all(w is not None and w > 0 for w in e["sync_wait_us"])
+    assert "expected" not in plan(load_config(TINY), "serial").metrics
 
 
 def test_a_profile_spread_replaces_the_hardware_one_for_its_kinds():
