@@ -516,20 +516,13 @@ def _write_trace(ex, runner, log: _StepLog, rank: int, out: Path, device, predic
                  planned_peak: int) -> None:
     """trace_rank{R}.json: the last step, aligned so the earliest task of any rank starts at 0; with
     ``--trace-steps`` also trace_steps_rank{R}.json (:func:`_steps_trace`)."""
-    import torch
-    import torch.distributed as dist
-
     record = log.record
-    t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
-                      dtype=torch.float64)
-    if dist.is_initialized():
-        t0 = t0.to(device)
-        dist.all_reduce(t0, op=dist.ReduceOp.MIN)
+    t0 = _first_start_us(record, device)
     if log.records:
         _steps_trace(ex, log.records, rank, out, device, predicted_us)
     if record is not None:
-        trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=float(t0))
-        trace["traceEvents"] += runner.memory.counter_events(rank, float(t0))
+        trace = ex.chrome_trace(record, plan_step_time_us=predicted_us, t0_us=t0)
+        trace["traceEvents"] += runner.memory.counter_events(rank, t0)
         trace["otherData"]["peak_device_bytes"] = runner.memory.peak_device
         trace["otherData"].update(runner.memory.trace_fields())  # [Note: measured memory] in offload/memory.py
         trace["otherData"]["plan_peak_device_bytes"] = planned_peak
@@ -537,6 +530,19 @@ def _write_trace(ex, runner, log: _StepLog, rank: int, out: Path, device, predic
             trace["otherData"]["routing"] = {str(L): {"tokens_per_expert": e, "tokens_per_slot": g}
                                              for L, (e, g) in log.routed[-1].items()}
         (out / f"trace_rank{rank}.json").write_text(json.dumps(trace))
+
+
+def _first_start_us(record, device) -> float:
+    """The earliest task start of ``record`` over every rank (a collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = torch.tensor([min(t.start_us for t in record.timings) if record and record.timings else 0.0],
+                      dtype=torch.float64)
+    if dist.is_initialized():
+        t0 = t0.to(device)
+        dist.all_reduce(t0, op=dist.ReduceOp.MIN)
+    return float(t0)
 
 
 def _steps_trace(ex, records: list, rank: int, out: Path, device, predicted_us: float) -> None:
@@ -550,17 +556,10 @@ def _steps_trace(ex, records: list, rank: int, out: Path, device, predicted_us: 
     than the one measured. ``k3sched calibrate`` on this file drops each task's first instance as
     warm-up (as for an nsys trace of a whole run) and fits the rest: exactly the steps the measured
     step is the median of (runtime/transfer.py uses it)."""
-    import torch
-    import torch.distributed as dist
-
-    first = [t.start_us for t in records[0].timings]
-    t0 = torch.tensor([min(first) if first else 0.0], dtype=torch.float64)
-    if dist.is_initialized():
-        t0 = t0.to(device)
-        dist.all_reduce(t0, op=dist.ReduceOp.MIN)
+    t0 = _first_start_us(records[0], device)
     doc = None
     for rec in records:
-        trace = ex.chrome_trace(rec, plan_step_time_us=predicted_us, t0_us=float(t0))
+        trace = ex.chrome_trace(rec, plan_step_time_us=predicted_us, t0_us=t0)
         if doc is None:
             doc = trace
             doc["otherData"]["steps"] = []
