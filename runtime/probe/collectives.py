@@ -93,7 +93,8 @@ def measure_collectives(nproc: int, *, sizes: Sequence[int] = COLL_SIZES, reps: 
     :class:`runtime.testbed.Testbed` for ``nproc`` ranks, open (the caller closes it) or not yet
     started (opened around the launch; :class:`runtime.testbed.TestbedError` when refused).
     ``contended_s`` > 0 (CPU): also the contended measurement, ``contended_reps`` samples per size
-    ([Note: what a call costs a computing thread])."""
+    ([Note: what a call costs a computing thread]; a window in which fewer than two calls ended
+    gives no sample and is run again, up to ``2 * contended_reps`` windows in all)."""
     if nproc < 2:
         raise ValueError(f"--nproc: the collective probe needs at least 2 ranks; got {nproc}")
     groups = groups or collective_groups(nproc)
@@ -265,7 +266,9 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
             alone.append(time.perf_counter() - t0)
         idle = _agreed(statistics.median(alone), group, device)
         stretch, per_call, chunks = [], [], []
-        for _ in range(reps):
+        for _ in range(2 * reps):  # a window in which fewer than two calls ended is tried again
+            if -_agreed(-len(stretch), group, device) >= reps:  # every rank has its samples
+                break
             dist.barrier(group=group)
             alone = gemms(k)
             calls = int(_agreed(math.ceil(1.5 * alone / max(idle, 1e-6)) + 4, group, device))
@@ -285,7 +288,7 @@ def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], 
             t1 = t0 + busy
             th.join()
             done = [t for t in stamps if t0 <= t <= t1]
-            if len(done) >= 2:
+            if len(done) >= 2 and len(stretch) < reps:
                 stretch.append((busy - alone) / len(done))
                 per_call.append((done[-1] - done[0]) / (len(done) - 1))
         if stretch:
