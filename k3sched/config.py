@@ -328,6 +328,14 @@ class ScheduleConfig(_Section):
     (1 lets one micro-batch's compute hide another's all-to-all, as DualPipe pairs do); 0..65536. At 0
     a slot without forwards may still start one ahead ([Note: backward look-ahead at look-ahead 0] in
     k3sched/listsched.py)."""
+    transfer_slack: float = _float(0.0, 16.0, open_low=False, default=0.0)
+    """k3, CPU runner: the lane orders are chosen as if every transfer's wait beside compute
+    (``hardware.comm_wait_us_per_call``, [Note: a transfer beside compute] in k3sched/planner.py)
+    were ``1 + transfer_slack`` times the modelled one, so compute that needs a transfer's result is
+    placed later and other work fills the margin; the plan's times are those of the modelled
+    durations in these orders ([Note: transfer slack]). 0..16; 0 (the default) orders by the
+    modelled durations; no effect where the plan models no such wait (GPUs, serial). Left out of
+    plan.json when 0."""
     storage: dict[str, Literal["keep", "offload", "offload+fp8"]] = Field(default_factory=dict)
     """Storage policy per sub-op ([Note: storage policies from the config]): ``{OP_PATTERN: policy}``,
     a glob over the sub-ops that save activations (:data:`STORAGE_OPS`), first match wins; policy
@@ -356,6 +364,8 @@ class ScheduleConfig(_Section):
             out.pop("max_tasks", None)
         if not self.fp8_dispatch:
             out.pop("fp8_dispatch", None)
+        if not self.transfer_slack:
+            out.pop("transfer_slack", None)
         if not self.layer_optim:
             out.pop("layer_optim", None)
         if self.expert_placement is None:

@@ -566,13 +566,20 @@ class CostModel:
         fitted = self.profile.comm_cpu_ns_per_byte
         return (hw.comm_cpu_ns_per_byte if fitted is None else fitted) if hw.host_cores else 0.0
 
+    def models_transfer_wait(self) -> bool:
+        """Whether transfers wait longer beside compute in this plan (:meth:`comm_wait_us`: the CPU
+        runner with ``hardware.comm_wait_us_per_call`` set), the wait ``schedule.transfer_slack``
+        scales ([Note: transfer slack] in k3sched/planner.py)."""
+        hw = self.cfg.hardware
+        return bool(hw.host_cores and hw.comm_wait_us_per_call)
+
     def comm_wait_us(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
         """How much longer a communication task takes when compute runs beside it for its whole span,
         on the CPU runner (``host_cores`` set): ``hardware.comm_wait_us_per_call`` per call or ring
         step of its wire (the unit the link latency is paid in, [Note: wire model]); 0 for other
         lanes and on GPUs ([Note: a transfer beside compute] in k3sched/planner.py)."""
         hw = self.cfg.hardware
-        if not hw.host_cores or not hw.comm_wait_us_per_call or LANE_OF[kind] not in WIRE_WAIT_LANES:
+        if not self.models_transfer_wait() or LANE_OF[kind] not in WIRE_WAIT_LANES:
             return 0.0
         w = self.wire(kind, layer=layer, nbytes=nbytes)
         return hw.comm_wait_us_per_call * (w.steps if w is not None and w.steps else self.comm_calls(kind))

@@ -212,6 +212,48 @@ def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t
     return lane_orders
 
 
+def _retime(prep: _Prepared, orders: list[list[int]], dur: list[float], skip: frozenset[int] = frozenset()
+            ) -> tuple[list[float], list[float]]:
+    """Start and end times of a schedule's fixed orders with durations ``dur``: each task starts
+    when its dependencies have ended, its start dependencies have started and the task before it
+    on its resource (``orders``, as :func:`_list_schedule` leaves them) has ended, as the executor
+    runs a plan. Skipped tasks count as met. ([Note: transfer slack] in k3sched/planner.py.)"""
+    n = len(prep.ids)
+    succ, ssucc = prep.succ, prep.ssucc
+    after: list[int] = [-1] * n  # the next task on the same resource
+    indeg = [0] * n
+    for order in orders:
+        for a, b in zip(order, order[1:]):
+            after[a] = b
+            indeg[b] += 1
+    for i in range(n):
+        if i in skip:
+            continue
+        for j in succ[i]:
+            indeg[j] += 1
+        for j in ssucc[i]:
+            indeg[j] += 1
+    ready_at = [0.0] * n
+    start_t, end_t = [0.0] * n, [0.0] * n
+    todo = [i for i in range(n) if i not in skip and indeg[i] == 0]
+    done = 0
+    while todo:
+        i = todo.pop()
+        done += 1
+        s = start_t[i] = ready_at[i]
+        e = end_t[i] = s + dur[i]
+        for j, t in [(j, e) for j in succ[i]] + [(j, s) for j in ssucc[i]] + \
+                ([(after[i], e)] if after[i] >= 0 else []):
+            if t > ready_at[j]:
+                ready_at[j] = t
+            indeg[j] -= 1
+            if indeg[j] == 0 and j not in skip:
+                todo.append(j)
+    if done != n - len(skip):
+        raise DeadlockError(f"retiming a schedule: {n - len(skip) - done} tasks never became ready")
+    return start_t, end_t
+
+
 class _SlotGate:
     """Per rank, main tasks of slot s are eligible once all main tasks of the slots before the first
     unfinished one (plus ``lookahead`` slots) have started; a main task past its rank's gate is

@@ -36,7 +36,7 @@ from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
-from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared
+from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared, _retime
 from .pipelines import TABLE
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
@@ -223,9 +223,15 @@ class _Search:
         lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
         dur = None
         if (not self.serial and self.cost.comm_costs_cpu()) or self.cost.compute_alone_factor() < 1.0:
+            slack = self.cfg.schedule.transfer_slack if not self.serial and self.cost.models_transfer_wait() else 0.0
             for _ in range(2):  # [Note: CPU cost of communication], [Note: compute alone]: two rounds
-                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
+                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw, 1.0 + slack))
                 lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
+            if slack:  # [Note: transfer slack]: these orders, the modelled durations
+                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
+                raw[1], raw[2] = _retime(busy, raw[0], busy.dur, skip)
+                if not self.fast:
+                    lane_orders = _lane_orders(g, busy, *raw)
             dur = busy.dur
             if not self.fast:
                 for tid, d in zip(busy.ids, busy.dur):
@@ -257,7 +263,28 @@ class _Search:
         return g
 
 
-def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel, raw: list) -> list[float]:
+# [Note: transfer slack] A plan orders each lane by its modelled durations, so where a compute task
+# needs a transfer's result the schedule puts it right at the transfer's planned end, with other
+# work just long enough to cover the transfer. On the CPU runner a synchronising transfer ends
+# when the last rank has posted it, and the ranks drift (the replay of [Note: task-time spread] in
+# k3sched/variability.py; measured on the 2-core testbed: one rank's compute of a step up to 21%
+# above the other's), so the transfer ends late as often as not, and the compute that was placed
+# at its planned end waits. ``schedule.transfer_slack`` s orders the lanes as if every transfer's
+# wait beside compute ([Note: a transfer beside compute]) were 1 + s times the modelled one: the
+# list scheduler then fills a longer margin after each transfer with other ready work, and the
+# plan keeps these orders with the modelled durations (:func:`k3sched.listsched._retime`: each
+# task as soon as its dependencies and the task before it on its resource allow, as the executor
+# runs them), so its times and step stay a prediction of the modelled machine. Whether a slack pays
+# is the expected step's call (the replay with the probed spread): on the EP-bound testbed config
+# of benchmarks/bench_overlap.py at comm:compute 0.5 (look-ahead 4, WGrad lag 8), slack 2 keeps the
+# planned step (1573 ms) and raises the expected overlap from 84.9 to 86.8% (expected step 1686 ->
+# 1676 ms); the PP-bound rows expect nothing from it. ``k3sched tune`` searches it (0..3), the bench
+# picks it with the look-ahead and WGrad lag. It acts only where the plan models that wait
+# (:meth:`k3sched.cost.CostModel.models_transfer_wait`): not on GPUs, not in a serial plan.
+
+
+def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel, raw: list,
+                   wait_scale: float = 1.0) -> list[float]:
     """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
     gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
     sends or receives and ``hardware.comm_cpu_us_per_call`` per call (``k3sched probe`` measures
@@ -267,6 +294,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     spend during it (each transfer's CPU spread evenly over its planned span). Returns the
     durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (``raw``:
     its lane orders, start and end times by task index); the caller schedules again with them.
+    ``wait_scale``: the transfers' waits beside compute times this ([Note: transfer slack]).
 
     [Note: a transfer beside compute] The other side of the same contention: a transfer's threads
     (the lane's, gloo's) sleep between its messages and each wake-up waits for a core the compute
@@ -300,7 +328,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
             cpu = moved * ns / 1e3 + host_us
             if cpu:
                 comm.append((start_t[i], end_t[i], min(1.0, cpu / (end_t[i] - start_t[i]))))
-            wait = cost.comm_wait_us(t.kind, t.layer, t.bytes)
+            wait = cost.comm_wait_us(t.kind, t.layer, t.bytes) * wait_scale
             if wait:
                 waits.append((i, wait))
     for comp, comm, waits in by_stage.values():

@@ -4,7 +4,7 @@
 [Note: tune search] The knobs: the pipeline schedule with its vpp, the micro-batch size and count
 (their product, the sequences of one step, stays fixed), ``warmup_extra`` (interleaved 1F1B),
 activation offload (none / local ``auto`` / ``remote``), ``recompute``, FP8 activation storage
-(``act_quant``), ``dispatch_recompute``, ``wgrad_lag``, ``lookahead``, ``grad_offload``, the
+(``act_quant``), ``dispatch_recompute``, ``wgrad_lag``, ``lookahead``, ``transfer_slack`` (CPU runner), ``grad_offload``, the
 per-layer optimizer step (``layer_optim``) and the sequence slices of Seq1F1B
 (``parallel.seq_chunks``: a slice's all-to-alls hide under the next slice's compute, which the
 pipeline fill otherwise leaves exposed, and a slice holds a fraction of a micro-batch's
@@ -35,7 +35,7 @@ k3sched/compare.py); the planned step is shown beside it.
 The comparison point, "what a Megatron user runs by default": interleaved 1F1B (the config's vpp,
 at least 2), the config's micro-batching, no offload, no recompute, no FP8 storage, no dispatch
 recompute, gradients on the device and stepped together, no extra warm-up, dX and dW back to
-back (``wgrad_lag`` 0) and no look-ahead, on the k3 lanes (EP and collectives on their own
+back (``wgrad_lag`` 0), no look-ahead and no transfer slack, on the k3 lanes (EP and collectives on their own
 streams). It is planned without a memory limit, so its step time is known even when it does not
 fit.
 """
@@ -72,6 +72,7 @@ _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("schedule.warmup_extra", (0, 1, 2, 4)),
     ("schedule.lookahead", (0, 1, 2)),
     ("schedule.wgrad_lag", (0, 2, 4, 8, 16, 32, 64)),
+    ("schedule.transfer_slack", (0, 1, 2, 3)),
 )
 """The fine knobs, in the order coordinate descent visits them ([Note: tune search])."""
 LEAN = {"schedule.offload": "auto", "schedule.recompute": True, "schedule.act_quant": "fp8",
@@ -80,7 +81,7 @@ LEAN = {"schedule.offload": "auto", "schedule.recompute": True, "schedule.act_qu
 MEGATRON = {"schedule.offload": "none", "schedule.remote_offload": False, "schedule.recompute": False,
             "schedule.act_quant": "none", "schedule.dispatch_recompute": False, "schedule.grad_offload": False,
             "schedule.layer_optim": False, "schedule.warmup_extra": 0, "schedule.wgrad_lag": 0,
-            "schedule.lookahead": 0, "schedule.strategy": "k3", "parallel.seq_chunks": 1}
+            "schedule.lookahead": 0, "schedule.transfer_slack": 0.0, "schedule.strategy": "k3", "parallel.seq_chunks": 1}
 
 
 @dataclass
@@ -132,10 +133,19 @@ def apply(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def normalise(cfg: Config) -> Config:
-    """The same plan, one spelling: ``warmup_extra`` only matters for interleaved 1F1B."""
+    """The same plan, one spelling: ``warmup_extra`` only matters for interleaved 1F1B,
+    ``transfer_slack`` only where the plan models a transfer's wait beside compute (k3 on the CPU
+    runner, [Note: transfer slack] in k3sched/planner.py)."""
+    from .cost import CostModel
+
+    drop = {}
     if cfg.schedule.pipeline != "interleaved-1f1b" and cfg.schedule.warmup_extra:
+        drop["warmup_extra"] = 0
+    if cfg.schedule.transfer_slack and (cfg.schedule.strategy == "serial" or not CostModel(cfg).models_transfer_wait()):
+        drop["transfer_slack"] = 0.0
+    if drop:
         data = cfg.to_dict()
-        data["schedule"]["warmup_extra"] = 0
+        data["schedule"].update(drop)
         return config_from_dict(data)
     return cfg
 
