@@ -8,7 +8,7 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
 
 - k3 and serial runs in the order k3, serial, serial, k3 (``ORDER``; ``--once``: one each), each
   strategy's measured figures the mean of its runs, DeepSpeed's run in the middle;
-- k3 (the co-schedule, at the look-ahead and WGrad lag of ``KNOBS`` whose plan is fastest, chosen
+- k3 (the co-schedule, at the look-ahead, WGrad lag and transfer slack of ``KNOBS`` whose plan is fastest, chosen
   from the plans alone, by their expected steps; ``--config-knobs``: the config's own) and serial (one task at a time per
   rank, [Note: serial execution] in runtime/executor.py), both executed by the runtime; for the
   EP-bound config also the DeepSpeed-MoE model of ``bench_runtime.py`` (plain autograd, same
@@ -131,22 +131,23 @@ def _mean_run(done: list[dict]) -> dict:
     return out
 
 
-KNOBS = tuple((la, lag) for la in (1, 2, 4) for lag in (4, 8, 16))
-"""(schedule.lookahead, schedule.wgrad_lag) pairs the bench plans for each row (the config's own
-is (1, 4)): knobs of when work runs, not of what is computed, so k3, serial and DeepSpeed still run
-the same model on the same micro-batches."""
+KNOBS = tuple((la, lag, slack) for la in (1, 2, 4) for lag in (4, 8, 16) for slack in (0, 1, 2, 3))
+"""(schedule.lookahead, schedule.wgrad_lag, schedule.transfer_slack) the bench plans for each row
+(the config's own is (1, 4, 0)): knobs of when work runs, not of what is computed, so k3, serial and
+DeepSpeed still run the same model on the same micro-batches."""
 
 
 def fastest_knobs(overrides: list[str]) -> list[str]:
-    """The look-ahead and WGrad lag of ``KNOBS`` whose k3 plan has the shortest expected step (the
-    planner's own prediction with the probed task-time spread, [Note: ranking with a task-time
-    spread] in k3sched/compare.py; the planned step without one; the runs are not consulted)."""
+    """The look-ahead, WGrad lag and transfer slack of ``KNOBS`` whose k3 plan has the shortest
+    expected step (the planner's own prediction with the probed task-time spread, [Note: ranking
+    with a task-time spread] in k3sched/compare.py; the planned step without one; the runs are not
+    consulted; the first of equals, so a slack only where it is expected to pay)."""
     from k3sched.config import load_config
     from k3sched.planner import plan
 
     best: tuple[float, list[str]] | None = None
-    for la, lag in KNOBS:
-        knobs = [f"schedule.lookahead={la}", f"schedule.wgrad_lag={lag}"]
+    for la, lag, slack in KNOBS:
+        knobs = [f"schedule.lookahead={la}", f"schedule.wgrad_lag={lag}", f"schedule.transfer_slack={slack}"]
         m = plan(load_config(TINY, overrides + knobs), "k3").metrics
         step = (m.get("expected") or m)["step_time_us"]
         if best is None or step < best[0]:
