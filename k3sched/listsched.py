@@ -242,13 +242,13 @@ def _retime(prep: _Prepared, orders: list[list[int]], dur: list[float], skip: fr
         done += 1
         s = start_t[i] = ready_at[i]
         e = end_t[i] = s + dur[i]
-        for j, t in [(j, e) for j in succ[i]] + [(j, s) for j in ssucc[i]] + \
-                ([(after[i], e)] if after[i] >= 0 else []):
-            if t > ready_at[j]:
-                ready_at[j] = t
-            indeg[j] -= 1
-            if indeg[j] == 0 and j not in skip:
-                todo.append(j)
+        nxt = [after[i]] if after[i] >= 0 else []
+        for js, t in ((succ[i], e), (nxt, e), (ssucc[i], s)):
+            for j in js:
+                ready_at[j] = max(ready_at[j], t)
+                indeg[j] -= 1
+                if indeg[j] == 0 and j not in skip:
+                    todo.append(j)
     if done != n - len(skip):
         raise DeadlockError(f"retiming a schedule: {n - len(skip) - done} tasks never became ready")
     return start_t, end_t

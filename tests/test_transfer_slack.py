@@ -61,10 +61,10 @@ def _asap_violations(p) -> list[str]:
     return bad
 
 
-def test_zero_slack_is_the_default_plan_and_plan_json_does_not_name_it():
-    a, b = plan(_cfg()), plan(_cfg("schedule.transfer_slack=0"))
-    assert a.lane_orders == b.lane_orders
-    assert a.metrics["step_time_us"] == b.metrics["step_time_us"]
+def test_zero_slack_is_the_default_and_plan_json_does_not_name_it():
+    # (that slack 0 plans as before: the golden plan of tiny-cpu, tests/golden, is unchanged)
+    b = plan(_cfg())
+    assert b.cfg.schedule.transfer_slack == 0
     assert "transfer_slack" not in json.dumps(b.cfg.to_dict())
     assert json.loads(json.dumps(plan(_cfg("schedule.transfer_slack=2")).cfg.to_dict()))["schedule"][
         "transfer_slack"] == 2
