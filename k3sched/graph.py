@@ -39,6 +39,20 @@ from .tasks import LANE_OF, WGRAD_KINDS, Kind, Mem, Task, format_task_id, parse_
 Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
 _GRAD_KINDS = WGRAD_KINDS | {Kind.ROUTER_BWD}  # tasks that add to parameter gradients (router.bwd: the router's dW)
 
+# [Note: gradient accumulation order] A weight gradient is the sum of every micro-batch's (and
+# sequence slice's) contribution, added into one buffer by the tasks that compute them
+# (moe/split.py ``WGradSlot.apply``: ``param.grad.add_``). Floating-point addition is not
+# associative, so the order of those additions is part of what is computed: two plans that add
+# the same contributions in different orders give gradients that differ in their last bits, and
+# the runs drift apart from the next step on. Each task that adds to a gradient therefore depends
+# on the task of the same kind, layer and chunk that comes before it in the graph's order (the
+# backward order of the pipeline: micro-batches ascending on a vstage, slices in reverse): every
+# plan of a pipeline, serial or co-scheduled, exact or listed, adds in that one order. Without
+# it, the k3 plan of a probed CPU profile (tiny-cpu at hidden 128, offload all) ran embed.dw of
+# micro-batch 2 before that of micro-batch 1 and its step-1 loss differed from the serial run's.
+# These tasks share the compute lane, so the dependency costs the executor nothing: it only keeps
+# a schedule from reordering them.
+
 
 def placement_for(cfg: Config) -> Placement:
     """V-shaped placement for ZB-V, DualPipeV, V-Half and V-Min, Megatron's loop placement
@@ -225,6 +239,7 @@ class _Builder:
         self.unit: dict[str, Unit] = {}
         self.topo: dict[str, int] = {}
         self.start_deps: dict[str, list[str]] = {}
+        self._grad_last: dict[tuple, str] = {}  # [Note: gradient accumulation order]
         self.layers = split_layers(cfg)
         self.bidir = PIPELINE_TABLE[cfg.schedule.pipeline].copies == 2
         self.steps = PIPELINE_TABLE[cfg.schedule.pipeline].steps  # [Note: pipedream-2bw]
@@ -296,6 +311,10 @@ class _Builder:
         if self.steps > 1 and kind in _GRAD_KINDS and mb is not None and mb >= self.cfg.parallel.microbatches:
             # one gradient buffer: the previous step's optimizer reads it first ([Note: pipedream-2bw])
             deps = [*deps, self.optim_id(stage, mb // self.cfg.parallel.microbatches - 1)]
+        if kind in _GRAD_KINDS and mb is not None:  # [Note: gradient accumulation order]
+            gkey = (stage, kind, layer, chunk, mb // self.cfg.parallel.microbatches)
+            if gkey in self._grad_last:
+                deps = [*deps, self._grad_last[gkey]]
         j = self._j if mb is not None else None
         tid = format_task_id(stage, kind, mb=mb, layer=None if scope_chunk else layer,
                              chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket, slice=j)
@@ -304,6 +323,8 @@ class _Builder:
                  deps=[d for d in deps if d], alloc=alloc or Mem(), free=free or Mem(), bytes=nbytes, slice=j, **extra)
         assert tid not in self.tasks, tid
         self.tasks[tid] = t
+        if kind in _GRAD_KINDS and mb is not None:
+            self._grad_last[gkey] = tid
         self.unit[tid] = (v, unit, -1 if mb is None else mb if self.S == 1 else unit_of(mb, j, unit, self.S))
         self.topo[tid] = len(self.topo)
         return tid
