@@ -35,11 +35,15 @@ class LocalRun:
 def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int | None = None, lr: float = 1e-3,
               weight_decay: float = 0.01, perturb=None, capture_grads: bool = False,
               options: RuntimeOptions | None = None,
-              setup: Callable[[StageRunner], None] | None = None) -> LocalRun:
+              setup: Callable[[StageRunner], None] | None = None,
+              device: torch.device | None = None) -> LocalRun:
     """Train ``steps`` steps of a one-rank config in-process; returns losses, grads, traces,
     measured peaks and the runner. ``options``: the test hooks of a launched run ([Note: runtime
     options]; ``perturb`` wins). ``setup``: called with the bound runner before the first step
-    (a test wraps a handler or the memory tracker there)."""
+    (a test wraps a handler or the memory tracker there). ``device``: where the model and the
+    lanes run (default CPU); on CUDA each lane issues on its own stream, as in a launched run, and
+    the step times come from CUDA events."""
+    device = torch.device("cpu") if device is None else torch.device(device)
     opts = options or RuntimeOptions()
     p = cfg.parallel
     if p.world != 1:
@@ -49,14 +53,15 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
     lanes = stage_lanes(doc, 0)
     runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=seed, lr=lr,
                          weight_decay=weight_decay, offload_debug=opts.offload_debug, copy_delay_s=opts.copy_delay_s,
-                         unsafe_shared_dx=opts.unsafe_shared_dx)
+                         unsafe_shared_dx=opts.unsafe_shared_dx, device=device)
     runner.bind_plan(lanes)
     if setup is not None:
         setup(runner)
     run = LocalRun(doc, runner=runner)
     with Executor(lanes, runner.handlers(), perturb=perturb or opts.perturb, extra_deps=runner.extra_deps(lanes),
                   dep_timeout_s=60.0, serial=doc["strategy"] == "serial",
-                  shared_links=doc.get("shared_links", ())) as ex:
+                  shared_links=doc.get("shared_links", ()), device=device) as ex:
+        runner.bind_streams(ex.lane_streams())
         for step in range(steps):
             runner.capture_grads = capture_grads and step == 0
             runner.begin_step(step)
@@ -68,4 +73,6 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
             run.peaks.append(runner.memory.peak_device)
             run.traces.append(ex.chrome_trace(rec, plan_step_time_us=doc["metrics"]["step_time_us"],
                                               t0_us=min(t.start_us for t in rec.timings)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # one rank, no collectives: nothing to wait for but this device
     return run

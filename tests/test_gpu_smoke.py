@@ -52,6 +52,42 @@ def test_gpu_smoke_on_cuda(tmp_path):
     assert doc["passed"]
 
 
+def _profile_device(monkeypatch) -> tuple[dict, list]:
+    """``measure_ops`` at tiny-cpu's shapes, with the device its in-process run used and the devices
+    its parameters lived on."""
+    import runtime.local
+    from k3sched.config import load_config
+    from runtime.probe import measure_ops
+
+    seen: list = []
+    real = runtime.local.local_run
+
+    def spy(cfg, steps, **kw):
+        run = real(cfg, steps, **kw)
+        seen.append((kw.get("device"), {p.device.type for p in run.runner.model.parameters()}))
+        return run
+
+    monkeypatch.setattr(runtime.local, "local_run", spy)
+    ops = measure_ops(load_config(REPO / "configs" / "tiny-cpu.yaml"))
+    return ops, seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch here is a CPU build)")
+def test_the_operator_profile_runs_on_the_gpu(monkeypatch):
+    """``k3sched probe`` on a GPU machine times the operators on the GPU (CUDA events), not on the host."""
+    ops, seen = _profile_device(monkeypatch)
+    assert [(d.type, kinds) for d, kinds in seen] == [("cuda", {"cuda"})]
+    assert {"attn.fwd", "mlp.fwd", "dispatch.fwd"} <= set(ops) and all(v > 0 for v in ops.values())
+
+
+def test_the_operator_profile_runs_on_the_cpu_without_a_gpu(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the profile runs there (the test above)")
+    ops, seen = _profile_device(monkeypatch)
+    assert [(d.type, kinds) for d, kinds in seen] == [("cpu", {"cpu"})]
+    assert {"attn.fwd", "mlp.fwd", "dispatch.fwd"} <= set(ops) and all(v > 0 for v in ops.values())
+
+
 def test_gpu_smoke_catches_a_missing_wait(tmp_path):
     """Self-test: when compute stops waiting for the offload_local lane's onloads, the run with
     that lane delayed fails (the undelayed runs may pass)."""

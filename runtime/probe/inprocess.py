@@ -25,7 +25,6 @@ from k3sched.profile import EXPERT_OPS
 from runtime.launch import REPO
 
 KiB, MiB = 1 << 10, 1 << 20
-KiB, MiB = 1 << 10, 1 << 20
 COLL_SIZES = tuple(4 * KiB * 4 ** i for i in range(7))  # 4 KiB .. 16 MiB
 QUICK_COLL_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)
 COPY_SIZES = tuple(4 * KiB * 4 ** i for i in range(8))  # 4 KiB .. 64 MiB
@@ -342,6 +341,11 @@ def _one_rank(cfg, *, parallel: dict | None = None, schedule: dict | None = None
     return config_from_dict(data)
 
 
+def _profile_device() -> torch.device:
+    """Where the in-process model steps of the probe run: the GPU a rank would use, else the CPU."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
     """[Note: operator profile] Median duration (µs, one core, one rank) of each compute task kind
     of the config's model at its shapes: an in-process step of the same model with pp = ep = dp = 1
@@ -350,13 +354,15 @@ def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
     bookkeeping are what make a CPU task cost 2-20x its GEMM time, and they are measured here, not
     guessed. The EP kinds at ep 1 move nothing: their time is the host-side work of a dispatch or
     combine (routing bookkeeping, permutes), the profile's ``overhead_us``. Not measured: anything of the target layout (ranks, links); that is what
-    ``k3sched calibrate`` fits from a run."""
+    ``k3sched calibrate`` fits from a run. Where torch sees a GPU the step runs on ``cuda:0``, the
+    lanes on their streams, each task timed by its CUDA events, as the ranks of a GPU run do (on
+    the host CPU the profile would be the CPU's times, not the GPU's)."""
     from k3sched.tasks import LANE_OF, Kind, parse_task_id
 
     from runtime.local import local_run
 
     with _one_thread():
-        run = local_run(_one_rank(cfg), steps, strategy="serial")
+        run = local_run(_one_rank(cfg), steps, strategy="serial", device=_profile_device())
     spans: dict[str, list[float]] = {}
     for trace in run.traces[1:] or run.traces:
         for e in trace["traceEvents"]:
@@ -393,7 +399,7 @@ def measure_routing(cfg, steps: int = 1) -> float:
 
     with _one_thread():
         local_run(_one_rank(cfg, parallel={"redundant_experts": 0}, schedule={"expert_placement": None}), steps,
-                  strategy="serial", setup=record)
+                  strategy="serial", setup=record, device=_profile_device())
     return routing_imbalance(calls, ep)
 
 
@@ -509,7 +515,7 @@ def write_ops_profile(ops_us: dict[str, float], path: str | Path,
     compute = {k: v for k, v in ops_us.items() if LANE_OF[Kind(k)] == "compute"}
     overhead = {k: v for k, v in ops_us.items() if LANE_OF[Kind(k)] != "compute"}
     p.write_text("# k3sched probe: operator profile ([Note: operator profile] in runtime/probe/inprocess.py), µs per task "
-                 "on one core;\n# overhead_us: the EP tasks' host-side work at ep 1 (the wire time comes on top)\n"
+                 f"on {'cuda:0' if _profile_device().type == 'cuda' else 'one core'};\n# overhead_us: the EP tasks' host-side work at ep 1 (the wire time comes on top)\n"
                  + yaml.safe_dump({"format": "k3sched.profile/1", "source": "k3sched probe", "durations_us": compute,
                                    "overhead_us": overhead,
                                    **({"per_expert_us": dict(per_expert_us)} if per_expert_us else {})},
