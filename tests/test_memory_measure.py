@@ -233,7 +233,8 @@ def test_format_memory_names_each_rank():
 
 @pytest.mark.skipif(NO_HEAP_METER is not None, reason=f"no allocator figure on this machine: {NO_HEAP_METER}")
 def test_a_run_reports_allocated_tracked_and_untracked_bytes(tmp_path):
-    rc = run_command(TINY, ONE_RANK, 2, None, tmp_path, False, None, timeout_s=120.0, quiet=True)
+    # on CPU: a one-rank run would take the GPU where there is one, and report its allocator instead
+    rc = run_command(TINY, ONE_RANK, 2, None, tmp_path, False, None, timeout_s=120.0, quiet=True, device="cpu")
     assert rc == 0, (tmp_path / "error_rank0.txt").read_text() if (tmp_path / "error_rank0.txt").exists() else rc
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["memory_allocator"] == "glibc mallinfo2" and s["memory_allocator_unavailable"] is None
