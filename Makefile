@@ -1,4 +1,4 @@
-.PHONY: run test bench fuzz gpu-check clean
+.PHONY: run test bench fuzz gpu-check gpu-session clean
 VENV := .venv/.k3sched-setup
 
 $(VENV): pyproject.toml scripts/setup.sh
@@ -25,6 +25,10 @@ fuzz: $(VENV)
 DEVICE ?= cuda
 gpu-check: $(VENV)
 	timeout 300 .venv/bin/python scripts/gpu_smoke.py --device $(DEVICE)
+
+# The checks of one short GPU session (scripts/gpu_session.sh; DEVICE=cpu: a dry run on CPU threads).
+gpu-session: $(VENV)
+	PY=.venv/bin/python DEVICE=$(DEVICE) bash scripts/gpu_session.sh
 
 clean:
 	rm -rf out .pytest_cache
