@@ -311,10 +311,11 @@ class _Builder:
         if self.steps > 1 and kind in _GRAD_KINDS and mb is not None and mb >= self.cfg.parallel.microbatches:
             # one gradient buffer: the previous step's optimizer reads it first ([Note: pipedream-2bw])
             deps = [*deps, self.optim_id(stage, mb // self.cfg.parallel.microbatches - 1)]
-        if kind in _GRAD_KINDS and mb is not None:  # [Note: gradient accumulation order]
-            gkey = (stage, kind, layer, chunk, mb // self.cfg.parallel.microbatches)
-            if gkey in self._grad_last:
-                deps = [*deps, self._grad_last[gkey]]
+        # [Note: gradient accumulation order]: after the same gradient's previous add
+        gkey = (stage, kind, layer, chunk, mb // self.cfg.parallel.microbatches) \
+            if kind in _GRAD_KINDS and mb is not None else None
+        if gkey in self._grad_last:
+            deps = [*deps, self._grad_last[gkey]]
         j = self._j if mb is not None else None
         tid = format_task_id(stage, kind, mb=mb, layer=None if scope_chunk else layer,
                              chunk=chunk if (scope_chunk or mb is None) else None, bucket=bucket, slice=j)
@@ -323,7 +324,7 @@ class _Builder:
                  deps=[d for d in deps if d], alloc=alloc or Mem(), free=free or Mem(), bytes=nbytes, slice=j, **extra)
         assert tid not in self.tasks, tid
         self.tasks[tid] = t
-        if kind in _GRAD_KINDS and mb is not None:
+        if gkey is not None:
             self._grad_last[gkey] = tid
         self.unit[tid] = (v, unit, -1 if mb is None else mb if self.S == 1 else unit_of(mb, j, unit, self.S))
         self.topo[tid] = len(self.topo)

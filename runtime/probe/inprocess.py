@@ -342,8 +342,11 @@ def _one_rank(cfg, *, parallel: dict | None = None, schedule: dict | None = None
 
 
 def _profile_device() -> torch.device:
-    """Where the in-process model steps of the probe run: the GPU a rank would use, else the CPU."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    """Where the in-process model steps of the probe run: where a one-rank run would
+    (:func:`runtime.launch.resolve_device`), its GPU being ``cuda:0``."""
+    from runtime.launch import resolve_device
+
+    return torch.device("cuda", 0) if resolve_device(None, 1) == "cuda" else torch.device("cpu")
 
 
 def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
