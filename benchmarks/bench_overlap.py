@@ -54,6 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 TINY = REPO / "configs" / "tiny-cpu.yaml"
+from k3sched.tune import TRANSFER_SLACKS  # noqa: E402  (after the path: the bench runs from a checkout)
 MODEL = ["model.hidden=256", "model.expert_hidden=512", "model.dense_hidden=1024", "model.seq_len=128",
          "model.micro_batch_size=4", "parallel.microbatches=4", "hardware.gpus_per_node=1", "schedule.offload=none",
          "hardware.device_memory_gb=2"]
@@ -131,7 +132,7 @@ def _mean_run(done: list[dict]) -> dict:
     return out
 
 
-KNOBS = tuple((la, lag, slack) for la in (1, 2, 4) for lag in (4, 8, 16) for slack in (0, 1, 2, 3))
+KNOBS = tuple((la, lag, slack) for la in (1, 2, 4) for lag in (4, 8, 16) for slack in TRANSFER_SLACKS)
 """(schedule.lookahead, schedule.wgrad_lag, schedule.transfer_slack) the bench plans for each row
 (the config's own is (1, 4, 0)): knobs of when work runs, not of what is computed, so k3, serial and
 DeepSpeed still run the same model on the same micro-batches."""

@@ -61,6 +61,10 @@ NO_LIMIT_GIB = float(1 << 20)
 
 _VPP1 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 1)  # [Note: schedule registry]
 _VPP2 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 2)
+TRANSFER_SLACKS = (0, 1, 2, 3, 4, 6, 8)
+"""The ``schedule.transfer_slack`` values tune and benchmarks/bench_overlap.py try ([Note: transfer
+slack] in k3sched/planner.py: on the bench's probed EP-bound rows at comm:compute 0.5 the expected
+step picked 8, the top of this range, where 0-3 were tried before)."""
 _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.seq_chunks", (1, 2, 4)),
     ("schedule.offload", ("none", "auto", "remote")),
@@ -72,7 +76,7 @@ _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("schedule.warmup_extra", (0, 1, 2, 4)),
     ("schedule.lookahead", (0, 1, 2)),
     ("schedule.wgrad_lag", (0, 2, 4, 8, 16, 32, 64)),
-    ("schedule.transfer_slack", (0, 1, 2, 3)),
+    ("schedule.transfer_slack", TRANSFER_SLACKS),
 )
 """The fine knobs, in the order coordinate descent visits them ([Note: tune search])."""
 LEAN = {"schedule.offload": "auto", "schedule.recompute": True, "schedule.act_quant": "fp8",
