@@ -33,11 +33,12 @@ source runs again after each target ([Note: bracketed transfer] in runtime/trans
 target's measured / expected, its prediction against the source's with the source runs just before
 and after it as the machine of the moment (on the shared 2-core machines the same run has measured
 1.25x slower within minutes); the last source run over the first says how far the machine moved
-while the targets ran.
+while the targets ran. The targets run ``TRANSFER_REPEATS`` rounds, each its measured step the median
+of its runs ([Note: interleaved repeats] in runtime/transfer.py; ``--once``: one round).
 
 Usage: ``.venv/bin/python benchmarks/bench_overlap.py [--steps 6] [--quick] [--out DIR]``
-(root, ip and tc needed; about 17 minutes on 2 cores, ``--quick``: one rate per config, ``--once``: one
-k3 and one serial run per row, about 10 minutes).
+(root, ip and tc needed; about 20 minutes on 2 cores, ``--quick``: one rate per config, ``--once``: one
+k3 and one serial run per row and one round of the calibration targets, about 10 minutes).
 """
 
 from __future__ import annotations
@@ -259,7 +260,8 @@ def main() -> None:
     ap.add_argument("--transfer-only", action="store_true", help="only the calibration-transfer rows")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--once", action="store_true",
-                    help="one k3 and one serial run per row (default: k3, serial, serial, k3, each pair's mean)")
+                    help="one k3 and one serial run per row (default: k3, serial, serial, k3, each pair's mean) "
+                         "and one round of the calibration targets (default: TRANSFER_REPEATS)")
     ap.add_argument("--config-knobs", action="store_true",
                     help="run the config's own look-ahead and WGrad lag instead of the fastest planned of KNOBS")
     a = ap.parse_args()
@@ -317,16 +319,25 @@ def main() -> None:
                      if r["sync_wait_us"][0] is not None else ""), flush=True)
     transfer = None
     if not a.no_transfer:
-        transfer = calibration_transfer(hw, base / "transfer", a.steps, a.config_knobs)
+        transfer = calibration_transfer(hw, base / "transfer", a.steps, a.config_knobs,
+                                        1 if a.once else TRANSFER_REPEATS)
     (base / "bench_overlap.json").write_text(json.dumps({"hardware": hw, "rows": rows, "transfer": transfer},
                                                         indent=1))
     print(f"  (outputs under {base}; bench took {time.perf_counter() - t0:.0f} s)")
 
 
-def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = False) -> dict:
+TRANSFER_REPEATS = 3
+"""Rounds of the calibration targets: each target runs once a round, its measured step the median
+of its runs ([Note: interleaved repeats] in runtime/transfer.py); one run each in the README's
+runs up to c4e77b6."""
+
+
+def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = False,
+                         repeats: int = TRANSFER_REPEATS) -> dict:
     """Calibrate from one run of the EP-bound config (link at comm:compute 1, the k3 row's knobs
     unless ``config_knobs``), predict four others (``runtime/transfer.py``): twice the micro-batches,
-    serial, PP 2 x EP 1, half the link rate; each target keeps the source's knobs."""
+    serial, PP 2 x EP 1, half the link rate; each target keeps the source's knobs and runs
+    ``repeats`` times, interleaved with the others."""
     from runtime.transfer import SOURCE_AGAIN, transfer_check
 
     base = list(CONFIGS.values())[0]
@@ -337,7 +348,8 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
     targets = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
                "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"],
                "half link rate": [f"hardware.internode_gbps={gbps / 2:.6g}"]}
-    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP, bracket=True)
+    residual, rows, exp_residual = transfer_check(TINY, source, targets, steps, out, WARMUP, bracket=True,
+                                                  repeats=repeats)
     again = [r for r in rows if r.name == SOURCE_AGAIN]
     rows = [r for r in rows if r.name != SOURCE_AGAIN]
     print(f"  calibration from ep-bound k3 at {gbps * 1e3:.1f} MB/s"
@@ -351,7 +363,8 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
               + (f" | expected {r.expected_us / 1e3:8.1f} ms, measured/expected {r.expected_ratio:.3f}"
                  if r.expected_us else "")
               + (f" | compute x{r.compute[0]:.2f}-{r.compute[1]:.2f} of planned" if r.compute else "")
-              + (f" | against the source runs beside it x{r.bracketed_ratio:.3f}" if r.bracketed_ratio else ""),
+              + (f" | against the source runs beside it x{r.bracketed_ratio:.3f}" if r.bracketed_ratio else "")
+              + (f" | runs {' '.join(f'{m / 1e3:.0f}' for m in r.runs_us)} ms" if len(r.runs_us) > 1 else ""),
               flush=True)
     for r in again:
         print(f"    the source again after the targets: measured {r.measured_us / 1e3:.1f} ms, "
@@ -361,7 +374,8 @@ def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = F
             "source_again_us": again[0].measured_us if again else None,
             "rows": [{"name": r.name, "predicted_us": r.predicted_us, "measured_us": r.measured_us,
                       "expected_us": r.expected_us, "compute": r.compute, "source_around_us": r.source_around_us,
-                      "source_predicted_us": r.source_predicted_us, "bracketed_ratio": r.bracketed_ratio}
+                      "source_predicted_us": r.source_predicted_us, "bracketed_ratio": r.bracketed_ratio,
+                      "runs_us": r.runs_us}
                      for r in rows]}
 
 

@@ -11,7 +11,8 @@ fitted to. The residual on the source run is reported separately. Used by
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -35,6 +36,9 @@ class TransferRow:
     one ([Note: bracketed transfer])."""
     source_predicted_us: float | None = None
     """With ``bracket``: the source config's step as the fitted profile plans it."""
+    runs_us: list[float] = field(default_factory=list)
+    """Each run's measured step, in run order (``measured_us`` is their median: [Note: interleaved
+    repeats])."""
 
     @property
     def ratio(self) -> float:
@@ -83,16 +87,50 @@ def _run(config: Path, overrides: list[str], steps: int, out: Path, warmup_steps
     return json.loads((out / "summary.json").read_text())
 
 
+def repeated_rows(targets: dict[str, list[str]], plans: dict[str, tuple[float, float | None]],
+                  runs: dict[str, list[tuple[float, tuple[float, float] | None, float | None]]],
+                  source_predicted_us: float | None) -> list[TransferRow]:
+    """One row per target from its runs ([Note: interleaved repeats]): ``plans`` name -> (predicted,
+    expected or None) step; ``runs`` name -> per run (measured step, compute ratios or None, mean of
+    the source runs beside it or None). Measured step, compute ratios and source runs beside are
+    the medians over the runs."""
+    rows = []
+    for name, extra in targets.items():
+        rs = runs[name]
+        comp = [c for _, c, _ in rs if c]
+        row = TransferRow(name, extra, plans[name][0], statistics.median([m for m, _, _ in rs]), plans[name][1],
+                          (statistics.median([c[0] for c in comp]), statistics.median([c[1] for c in comp]))
+                          if comp else None)
+        arounds = [a for _, _, a in rs if a is not None]
+        if arounds and source_predicted_us:
+            row.source_around_us, row.source_predicted_us = statistics.median(arounds), source_predicted_us
+        row.runs_us = [m for m, _, _ in rs]
+        rows.append(row)
+    return rows
+
+
 def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]], steps: int, out: Path,
-                   warmup_steps: int = 1, bracket: bool = False) -> tuple[float, list[TransferRow], float | None]:
+                   warmup_steps: int = 1, bracket: bool = False,
+                   repeats: int = 1) -> tuple[float, list[TransferRow], float | None]:
     """Calibrate from ``source`` (overrides of ``config``), predict and run each target.
     A target's overrides come after the source's; ``schedule.strategy=serial`` runs the serial
     plan. ``warmup_steps``: the first steps of each run left out of its measured step. ``bracket``:
     run the source again after every target and give each row the mean of the source runs beside it
     ([Note: bracketed transfer]); a last row, ``SOURCE_AGAIN``, is the last of them, predicted as the
     source: its ratio over 1 + the residual is the last measurement over the first, how far the
-    machine moved while the targets ran. Returns (the fit's residual on the source run, one row
-    per target, the residual against the expected step with the fitted spread or None).
+    machine moved while the targets ran. ``repeats``: the targets run that many rounds, each round
+    every target once in order ([Note: interleaved repeats]). Returns (the fit's residual on the
+    source run, one row per target, the residual against the expected step with the fitted spread
+    or None).
+
+    [Note: interleaved repeats] A run of a minute on these machines is sometimes slowed by a
+    quarter while the runs beside it are not (a target's operators at x1.25-1.27 of planned, the
+    source runs just before and after it at x1.09: README, the second full bench of c4e77b6). With
+    ``repeats`` R > 1 each target's runs are spread over the whole check, one per round, and its
+    measured step is their median (its compute ratios the medians of its runs', its source
+    runs beside the median of the rounds'): a slowdown that hits one run of three moves nothing.
+    The profile is still fitted from the source's one first run; only the measurement of the
+    targets is repeated.
 
     [Note: bracketed transfer] The shared 2-core machines change speed by up to 25% within minutes
     (the same run measured 4.72 s, then 3.77 s), so a target's measured / predicted carries how far
@@ -106,26 +144,34 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     from k3sched.config import load_config
     from k3sched.planner import plan
 
+    if repeats < 1:
+        raise ValueError(f"repeats: must be at least 1; got {repeats}")
     src = out / "source"
     before = float(_run(config, source, steps, src, warmup_steps)["measured_step_time_us"])
     profile = out / "profile.yaml"
     # the measured steps, not the last alone ([Note: traces of the measured steps] in runtime/train.py)
     fit = calibrate_files(sorted(str(p) for p in src.glob("trace_steps_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
-    rows = []
+    plans = {}
+    for name, extra in targets.items():
+        m = plan(load_config(config, source + extra + [f"schedule.profile={profile}"])).metrics
+        plans[name] = (float(m["step_time_us"]), (m.get("expected") or {}).get("step_time_us"))
+    runs: dict[str, list[tuple[float, tuple[float, float] | None, float | None]]] = {n: [] for n in targets}
     last = None
-    for i, (name, extra) in enumerate(targets.items()):
-        ov = source + extra + [f"schedule.profile={profile}"]
-        m = plan(load_config(config, ov)).metrics
-        summary = _run(config, ov, steps, out / name.replace(" ", "_"), warmup_steps)
-        row = TransferRow(name, extra, float(m["step_time_us"]), float(summary["measured_step_time_us"]),
-                          (m.get("expected") or {}).get("step_time_us"), compute_ratios(summary, warmup_steps))
-        if bracket and fit.predicted_us:
-            last = _run(config, source, steps, out / f"source_after_{i + 1}", warmup_steps)
-            after = float(last["measured_step_time_us"])
-            row.source_around_us, row.source_predicted_us = (before + after) / 2, fit.predicted_us
-            before = after
-        rows.append(row)
+    k = 0
+    for rnd in range(repeats):
+        for name, extra in targets.items():
+            k += 1
+            ov = source + extra + [f"schedule.profile={profile}"]
+            d = name.replace(" ", "_") + (f"_{rnd + 1}" if repeats > 1 else "")
+            summary = _run(config, ov, steps, out / d, warmup_steps)
+            around = None
+            if bracket and fit.predicted_us:
+                last = _run(config, source, steps, out / f"source_after_{k}", warmup_steps)
+                after = float(last["measured_step_time_us"])
+                around, before = (before + after) / 2, after
+            runs[name].append((float(summary["measured_step_time_us"]), compute_ratios(summary, warmup_steps), around))
+    rows = repeated_rows(targets, plans, runs, fit.predicted_us)
     if last is not None:
         rows.append(TransferRow(SOURCE_AGAIN, [], fit.predicted_us, float(last["measured_step_time_us"]),
                                 fit.expected_us, compute_ratios(last, warmup_steps)))
