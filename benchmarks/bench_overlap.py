@@ -117,6 +117,12 @@ the machine's speed that is linear over the row cancels in the k3 / serial ratio
 machines have measured the same run 1.25x slower within minutes)."""
 
 
+TRANSFER_REPEATS = 3
+"""Rounds of the calibration targets: each target runs once a round, its measured step the median
+of its runs ([Note: interleaved repeats] in runtime/transfer.py); one run each in the README's
+runs up to c4e77b6."""
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -324,12 +330,6 @@ def main() -> None:
     (base / "bench_overlap.json").write_text(json.dumps({"hardware": hw, "rows": rows, "transfer": transfer},
                                                         indent=1))
     print(f"  (outputs under {base}; bench took {time.perf_counter() - t0:.0f} s)")
-
-
-TRANSFER_REPEATS = 3
-"""Rounds of the calibration targets: each target runs once a round, its measured step the median
-of its runs ([Note: interleaved repeats] in runtime/transfer.py); one run each in the README's
-runs up to c4e77b6."""
 
 
 def calibration_transfer(hw: dict, out: Path, steps: int, config_knobs: bool = False,

@@ -152,17 +152,17 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     # the measured steps, not the last alone ([Note: traces of the measured steps] in runtime/train.py)
     fit = calibrate_files(sorted(str(p) for p in src.glob("trace_steps_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
+    ovs = {name: source + extra + [f"schedule.profile={profile}"] for name, extra in targets.items()}
     plans = {}
-    for name, extra in targets.items():
-        m = plan(load_config(config, source + extra + [f"schedule.profile={profile}"])).metrics
+    for name, ov in ovs.items():
+        m = plan(load_config(config, ov)).metrics
         plans[name] = (float(m["step_time_us"]), (m.get("expected") or {}).get("step_time_us"))
     runs: dict[str, list[tuple[float, tuple[float, float] | None, float | None]]] = {n: [] for n in targets}
     last = None
     k = 0
     for rnd in range(repeats):
-        for name, extra in targets.items():
+        for name, ov in ovs.items():
             k += 1
-            ov = source + extra + [f"schedule.profile={profile}"]
             d = name.replace(" ", "_") + (f"_{rnd + 1}" if repeats > 1 else "")
             summary = _run(config, ov, steps, out / d, warmup_steps)
             around = None
