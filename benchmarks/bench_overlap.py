@@ -145,16 +145,19 @@ KNOBS = tuple((la, lag, slack) for la in (1, 2, 4) for lag in (4, 8, 16) for sla
 DeepSpeed still run the same model on the same micro-batches."""
 
 
-def fastest_knobs(overrides: list[str]) -> list[str]:
+def fastest_knobs(overrides: list[str], max_slack: float | None = None) -> list[str]:
     """The look-ahead, WGrad lag and transfer slack of ``KNOBS`` whose k3 plan has the shortest
     expected step (the planner's own prediction with the probed task-time spread, [Note: ranking
     with a task-time spread] in k3sched/compare.py; the planned step without one; the runs are not
-    consulted; the first of equals, so a slack only where it is expected to pay)."""
+    consulted; the first of equals, so a slack only where it is expected to pay). ``max_slack``:
+    only slacks up to it (``benchmarks/bench_slack.py``)."""
     from k3sched.config import load_config
     from k3sched.planner import plan
 
     best: tuple[float, list[str]] | None = None
     for la, lag, slack in KNOBS:
+        if max_slack is not None and slack > max_slack:
+            continue
         knobs = [f"schedule.lookahead={la}", f"schedule.wgrad_lag={lag}", f"schedule.transfer_slack={slack}"]
         m = plan(load_config(TINY, overrides + knobs), "k3").metrics
         step = (m.get("expected") or m)["step_time_us"]

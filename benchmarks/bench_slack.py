@@ -30,23 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_overlap as B  # noqa: E402  (the bench's configs, probe, runs and overlap)
 
 
-def best_knobs(overrides: list[str], max_slack: float) -> list[str]:
-    """``bench_overlap.fastest_knobs`` restricted to slacks up to ``max_slack``."""
-    from k3sched.config import load_config
-    from k3sched.planner import plan
-
-    best: tuple[float, list[str]] | None = None
-    for la, lag, slack in B.KNOBS:
-        if slack > max_slack:
-            continue
-        knobs = [f"schedule.lookahead={la}", f"schedule.wgrad_lag={lag}", f"schedule.transfer_slack={slack}"]
-        m = plan(load_config(B.TINY, overrides + knobs), "k3").metrics
-        step = (m.get("expected") or m)["step_time_us"]
-        if best is None or step < best[0]:
-            best = (step, knobs)
-    return best[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--from", dest="src", type=Path, default=None,
@@ -79,7 +62,7 @@ def main() -> None:
     if gbps is None:
         raise SystemExit("bench_slack: comm:compute 0.5 is not reachable with these hardware numbers")
     ov = B.overrides_for(base, hw, gbps)
-    knobs = {"A": best_knobs(ov, 3), "B": best_knobs(ov, max(B.TRANSFER_SLACKS))}
+    knobs = {"A": B.fastest_knobs(ov, max_slack=3), "B": B.fastest_knobs(ov)}
     print(f"bench_slack: EP-bound at {gbps * 1e3:.1f} MB/s; A (slack <= 3) {' '.join(knobs['A'])}; "
           f"B (slack <= {max(B.TRANSFER_SLACKS)}) {' '.join(knobs['B'])}", flush=True)
     if knobs["A"] == knobs["B"]:
