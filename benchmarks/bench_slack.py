@@ -52,9 +52,12 @@ def main() -> None:
         f = a.src / "bench_overlap.json"
         if not f.is_file():
             raise SystemExit(f"bench_slack: {f} not found; --from takes a bench_overlap.py --out directory")
-        d = json.loads(f.read_text())
-        hw = d["hardware"]
-        gbps = next((r["gbps"] for r in d["rows"] if r["config"].startswith("ep") and r["ratio"] == 0.5), None)
+        try:
+            d = json.loads(f.read_text())
+            hw = d["hardware"]
+            gbps = next((r["gbps"] for r in d["rows"] if r["config"].startswith("ep") and r["ratio"] == 0.5), None)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"bench_slack: {f} is not a bench_overlap.json (hardware and rows needed): {e!r}")
     else:
         hw = B.probe_hardware(out)
         gbps = None

@@ -132,20 +132,15 @@ def test_a_slack_plan_is_consistent_when_every_attempt_rebuilds_the_graph():
 
 def _planned_overlap(p, stage: int = 0) -> float:
     """Share of stage ``stage``'s communication-lane time that overlaps its compute, from the plan's
-    own task times (what ``k3sched validate`` reports as planned), by a plain sweep."""
-    def union(iv):
-        out = []
-        for s, e in sorted(iv):
-            if out and s <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], e)
-            else:
-                out.append([s, e])
-        return out
+    own task times, as ``k3sched validate`` reports it planned (``traces.intervals``)."""
+    from k3sched.tasks import COMM_LANES
+    from traces.intervals import overlap_length, union_length
+
     ts = [t for t in p.tasks.values() if t.stage == stage]
-    comp = union([(t.start_us, t.end_us) for t in ts if t.lane == "compute"])
-    comm = union([(t.start_us, t.end_us) for t in ts if t.lane in ("ep", "collective")])
-    covered = sum(max(0.0, min(e, b) - max(s, a)) for s, e in comm for a, b in comp)
-    return covered / sum(e - s for s, e in comm)
+    comp = [t for t in ts if t.lane == "compute"]
+    comm = [t for t in ts if t.lane in COMM_LANES]
+    cs, ce = [t.start_us for t in comm], [t.end_us for t in comm]
+    return overlap_length(cs, ce, [t.start_us for t in comp], [t.end_us for t in comp]) / union_length(cs, ce)
 
 
 def test_more_slack_brings_the_planned_overlap_to_the_expected_one():
