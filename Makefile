@@ -1,4 +1,4 @@
-.PHONY: run test bench fuzz gpu-check gpu-session clean
+.PHONY: run test bench fuzz docs gpu-check gpu-session clean
 VENV := .venv/.k3sched-setup
 
 $(VENV): pyproject.toml scripts/setup.sh
@@ -19,6 +19,10 @@ bench: $(VENV)
 
 fuzz: $(VENV)
 	.venv/bin/python benchmarks/fuzz_campaign.py
+
+# docs/cli.md and docs/config.md, generated from the CLI and the config models (k3sched/docgen.py).
+docs: $(VENV)
+	.venv/bin/python -m k3sched.docgen
 
 # GPU smoke check (scripts/gpu_smoke.py): serial vs k3 in one process on cuda:0 with lane streams,
 # with random delays injected per lane; DEVICE=cpu runs the same matrix on CPU threads.

@@ -61,6 +61,8 @@ def _float(lo: float, hi: float, *, open_low: bool = True, **kw: Any) -> Any:
 
 
 class ModelConfig(_Section):
+    """The model's shape: layers, widths, experts and routing, sequence and micro-batch size, dtype."""
+
     name: str = "moe"
     """Free-form model name, shown in reports."""
     layers: int = _int(1, 4096)
@@ -136,6 +138,9 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    """How the model is split: PP, virtual stages, EP and DP degrees, micro-batches, layer split, rank order,
+    redundant expert slots and sequence slices."""
+
     pp: int = _int(1, 1024, default=1)
     """Pipeline-parallel degree (physical stages), 1..1024."""
     vpp: int = _int(1, 256, default=1)
@@ -195,7 +200,11 @@ class ParallelConfig(_Section):
 
 
 class HardwareConfig(_Section):
+    """What the cost model knows of the machine: compute rate, memories, links and, for the CPU runner, what
+    transfers cost the compute beside them (``k3sched probe`` measures these)."""
+
     name: str = "gpu"
+    """Free-form hardware name, shown in reports."""
     peak_tflops: float = _float(0.0, 1e6)
     """Peak dense TFLOP/s of one device at the model dtype, > 0 and <= 1e6."""
     mfu: float = _float(0.0, 1.0, default=0.5)
@@ -284,6 +293,9 @@ the planner has no per-tensor byte model, so a per-tensor pattern (``attn.q``) i
 
 
 class ScheduleConfig(_Section):
+    """How one step is scheduled: strategy, pipeline backbone, memory budget and what is done to meet it
+    (offload, recompute, FP8), WGrad deferral, look-ahead, gradient handling and measured inputs."""
+
     strategy: Literal["k3", "serial"] = "k3"
     """k3: five-lane co-schedule; serial: one task at a time (no-overlap baseline)."""
     pipeline: Literal[PIPELINES] = "1f1b"  # type: ignore[valid-type]
