@@ -133,7 +133,7 @@ def cli_markdown() -> str:
     out = [HEADER.format(src="the typer app in `k3sched/cli.py`"), "# `k3sched` command line", "",
            _paragraphs(root.help), "",
            "Every command takes `--help`. Exit codes and one-line errors are described in "
-           "[design.md](design.md#errors-and-exit-codes); file formats in [formats.md](formats.md); "
+           "[design.md](design.md#9-errors-and-exit-codes); file formats in [formats.md](formats.md); "
            "config fields in [config.md](config.md).", ""]
     out.append("| command | what it does |")
     out.append("| --- | --- |")
