@@ -20,8 +20,8 @@ event). CUDA objects are created lazily, so this module imports and runs on CPU.
 With ``serial=True`` (the ``serial`` strategy) the stage runs one task at a time, as the plan's
 baseline says: every task also waits for the task before it in the token order (a stage-wide
 token passed along one linear extension of the lane orders and dependencies, earliest planned
-start first: :func:`k3sched.lowering.serial_tokens`). Lane threads stay, so the trace format and the handlers are the same, but no two
-tasks of a rank ever overlap. One thing stays asynchronous by construction: a P2P send task
+start first: :func:`k3sched.lowering.serial_tokens`). Lane threads stay, so the trace format and
+the handlers are the same, but no two tasks of a rank ever overlap. One thing stays asynchronous by construction: a P2P send task
 posts its ``isend`` and ends; gloo and NCCL move the bytes once the receiver has posted the matching
 receive, inside the receiver's ``recv`` task (where the cost model puts the transfer). A send that
 waited for its bytes to leave would wait for the receiver, and deadlock plans whose stages both
@@ -237,7 +237,7 @@ class Executor:
     options]); ``extra_deps``: task id -> more same-rank data dependencies the plan leaves implicit;
     ``serial``: one task at a time on this stage ([Note: serial execution]); ``shared_links``:
     groups of lanes whose tasks run one at a time in planned order (plan.json ``shared_links``).
-    A program is run as it is: those four stay unset.
+    ``stage``: the stage of ``lanes`` (default 0). A program is run as it is: those stay unset.
     ``handlers``: kind -> callable(task). ``device``: a torch device; CUDA streams are used when it
     is a CUDA device. ``nvtx``: push an NVTX range per task. ``racecheck``: a
     :class:`runtime.racecheck.RaceChecker` (or anything with ``enter(id)`` / ``leave(id)``) told
@@ -245,18 +245,18 @@ class Executor:
     """
 
     def __init__(self, program: LaneProgram | Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *,
-                 rank: int = 0, stage: int = 0, device=None, perturb: tuple[str, int | None] | None = None,
+                 rank: int = 0, stage: int | None = None, device=None, perturb: tuple[str, int | None] | None = None,
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
                  nvtx: bool = True, serial: bool = False, shared_links: list | tuple = (), racecheck=None) -> None:
         self.perturbed = None
         if isinstance(program, LaneProgram):
-            if perturb or extra_deps or serial or shared_links or stage not in (0, program.stage):
+            if perturb or extra_deps or serial or shared_links or stage not in (None, program.stage):
                 raise ValueError("Executor: a LaneProgram runs as lowered; perturb, extra_deps, serial, "
                                  "shared_links and another stage belong to k3sched.lowering.lower")
         else:
             lanes = {lane: list(program.get(lane, [])) for lane in LANES}
             self.perturbed = perturb_lanes(lanes, *perturb) if perturb else None
-            program = lower(lanes, stage, extra=extra_deps, serial=serial, shared_links=shared_links)
+            program = lower(lanes, stage or 0, extra=extra_deps, serial=serial, shared_links=shared_links)
         self.rank, self.stage = rank, program.stage
         self.lanes = {lane: list(ts) for lane, ts in program.lanes.items()}
         self.tasks = program.tasks()
@@ -395,8 +395,9 @@ class Executor:
 
     def dependencies(self) -> dict[str, tuple[str, ...]]:
         """Task id -> the same-stage tasks it waits to finish (the program's: plan deps, extra deps,
-        serial and shared-link tokens; not ``start_deps``, which order starts only). With lane order, this is
-        the happens-before order of the stage ([Note: race detector] in runtime/racecheck.py)."""
+        serial and shared-link tokens; not ``start_deps``, which order starts only). With lane
+        order, this is the happens-before order of the stage ([Note: race detector] in
+        runtime/racecheck.py)."""
         return dict(self._deps)
 
     def lane_streams(self) -> dict[str, object]:

@@ -144,3 +144,16 @@ def test_lower_stage_reads_strategy_and_links_from_the_plan():
             assert lower_stage(doc, s, lanes, {}) == want
         tids = [t["id"] for st in doc["stages"] for ts in st["lanes"].values() for t in ts]
         assert all(id_bucket(t) == parse_task_id(t).bucket for t in tids)
+
+
+def test_the_executor_runs_a_program_as_lowered():
+    from runtime.executor import Executor, noop_handlers
+
+    lanes = _lanes(STAGE)
+    prog = lower(lanes, 0, extra={"s0/e": ("s0/a",)}, serial=True)
+    with Executor(prog, noop_handlers(), nvtx=False) as ex:
+        assert ex.lanes == prog.lanes and ex.dependencies() == prog.deps
+        rec = ex.run_step()
+    assert [t.id[3:] for t in sorted(rec.timings, key=lambda t: t.start_us)] == ["a", "d", "b", "e", "c"]
+    with pytest.raises(ValueError, match="a LaneProgram runs as lowered"):
+        Executor(prog, noop_handlers(), serial=True)
