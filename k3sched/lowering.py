@@ -16,7 +16,8 @@ pass here, and the runtime's executor (runtime/executor.py) and the P2P check
    stages are satisfied by the P2P task itself (a receive waits for its send); a same-rank
    dependency or start dependency that names no task of the rank is an error.
 4. :func:`data_edges`: more same-rank data edges the caller knows and the plan leaves implicit
-   (the runtime's: :meth:`runtime.stage.StageRunner.extra_deps`), after the plan's.
+   (the runtime's: :meth:`runtime.stage.StageRunner.extra_deps`), after the plan's. The P2P
+   check has no such edges to pass: they come from the model, above this package.
 5. :func:`serial_tokens` (strategy ``serial``: one task at a time on the rank) or
    :func:`link_tokens` (the lanes of each plan.json ``shared_links`` group one at a time): a
    token passed along :func:`token_order` of the group's tasks, as one more dependency of each
