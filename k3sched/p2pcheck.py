@@ -6,10 +6,11 @@ GPUs. :func:`check_plan` executes a plan abstractly, one rank per PP stage (the 
 run the same lanes; their collectives on ep / dense / expert / optim groups involve that stage
 only), under these rules:
 
-* a lane runs its tasks in plan order, one at a time; a task starts once the task before it on
-  its lane finished, its same-stage ``deps`` finished and its ``start_deps`` started (as the
-  runtime's executor: dependencies on other stages are satisfied by the transfer itself; the
-  shared-link and ``serial`` tokens of [Note: serial execution] are added the same way);
+* each stage runs the lane program its ranks run, lowered from the plan by the same passes
+  ([Note: lowering] in k3sched/lowering.py): a lane runs its tasks in order, one at a time; a
+  task starts once the task before it on its lane finished, its same-stage dependencies (plan
+  ``deps``, shared-link and ``serial`` tokens) finished and its ``start_deps`` started;
+  dependencies on other stages are satisfied by the transfer itself;
 * a P2P task posts one operation on a communicator: act.send / grad.send / act.roffload /
   act.rserve a send, act.recv / grad.recv / act.rstore / act.ronload a receive (a remote
   transfer's header and payload travel back to back: one operation);
@@ -48,6 +49,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .lowering import LoweringError, PlanTask, lower_stage
 from .tasks import LANES, RECV_KINDS, SEND_KINDS, SEND_OF, Kind
 
 POSTED_ONLY = frozenset({Kind.FWD_SEND, Kind.BWD_SEND})
@@ -59,150 +61,30 @@ class P2PDeadlock(ValueError):
     """The plan cannot complete under NCCL point-to-point semantics; one line naming why."""
 
 
-@dataclass(slots=True)
-class _T:
-    id: str
-    kind: Kind
-    lane: str
-    stage: int
-    deps: tuple[str, ...]
-    start_us: float
-    end_us: float
-    start_deps: list[str] = field(default_factory=list)
-
-
 @dataclass
 class _View:
-    """What the check reads of a plan: per stage, per lane, the ordered tasks."""
+    """What the check reads of a plan: per stage, per lane, the ordered tasks, and each task's
+    same-stage dependencies, as the stage's rank runs them ([Note: lowering] in k3sched/lowering.py)."""
 
-    lanes: dict[int, dict[str, list[_T]]]
-    start_deps: dict[int, dict[str, list[str]]]
-    strategy: str
-    shared_links: list[tuple[str, ...]]
+    lanes: dict[int, dict[str, list[PlanTask]]]
+    deps: dict[str, tuple[str, ...]]
 
 
 def _view(plan) -> _View:
-    """A plan.json dict or a :class:`k3sched.planner.Plan` as a :class:`_View` (times rounded as
-    plan.json rounds them: the runtime's token order breaks ties on them)."""
-    if isinstance(plan, Mapping):
-        lanes, starts = {}, {}
-        for st in plan["stages"]:
-            s = int(st["stage"])
-            lanes[s] = {lane: [_T(t["id"], Kind(t["kind"]), lane, s, tuple(t.get("deps") or ()),
-                                  float(t.get("start_us") or 0.0), float(t.get("end_us") or 0.0))
-                               for t in st["lanes"].get(lane, [])] for lane in LANES}
-            starts[s] = {k: list(v) for k, v in (st.get("start_deps") or {}).items()}
-        links = [tuple(g) for g in plan.get("shared_links", ())]
-        return _View(lanes, starts, plan.get("strategy", "k3"), links)
-    from .cost import CostModel
+    """A plan.json dict, or a :class:`k3sched.planner.Plan` read as its plan.json, lowered stage by
+    stage as the runtime lowers it (:func:`k3sched.lowering.lower_stage`; no runtime data edges).
+    Raises :class:`k3sched.lowering.LoweringError` for a stage that cannot be lowered."""
+    if not isinstance(plan, Mapping):
+        from .render import plan_to_json
 
-    tasks = plan.tasks
-    lanes = {s: {lane: [] for lane in LANES} for s in range(plan.cfg.parallel.pp)}
-    for (s, lane), ids in plan.lane_orders.items():
-        lanes[s][lane] = [_T(tid, t.kind, lane, s, tuple(t.deps), round(t.start_us, 3), round(t.end_us, 3), [])
-                          for tid, t in zip(ids, map(tasks.__getitem__, ids))]
-    starts: dict[int, dict[str, list[str]]] = {s: {} for s in lanes}
-    for tid, d in plan.graph.start_deps.items():
-        if tid in tasks:
-            starts.setdefault(tasks[tid].stage, {})[tid] = list(d)
-    return _View(lanes, starts, plan.strategy, [tuple(g) for g in CostModel(plan.cfg).shared_links()])
-
-
-def _stage_of(tid: str) -> int:
-    return int(tid[1:tid.index("/")])
-
-
-def _local_start_deps(v: _View) -> None:
-    """Each task's start dependencies as the runtime reads them (runtime.executor.stage_lanes):
-    same-stage ones only; a peer's act.rserve trigger moves to the owner's act.ronload."""
-    for s, lanes in v.lanes.items():
-        prefix = f"s{s}/"
-        start = {k: list(d) for k, d in v.start_deps.get(s, {}).items()}
-        for other, deps in v.start_deps.items():
-            if other == s:
-                continue
-            for tid, ds in deps.items():
-                if tid.endswith("/act.rserve"):
-                    mine = [d for d in ds if d.startswith(prefix)]
-                    if mine:
-                        ron = prefix + tid.split("/", 1)[1].replace("act.rserve", "act.ronload")
-                        start[ron] = start.get(ron, []) + mine
-        for ts in lanes.values():
-            for t in ts:
-                t.start_deps = [d for d in start.get(t.id, ()) if d.startswith(prefix)]
-
-
-def linear_extension(lanes: Mapping[str, list], deps: Mapping[str, tuple[str, ...]]) -> tuple[list[str], str | None]:
-    """One order of every task of a stage that keeps each lane's order and every same-stage
-    dependency (``deps`` plus each task's ``start_deps``), earliest planned start first; ties by
-    planned (start, end), then lane, then position. This is the token order of a ``serial`` run
-    and of shared links ([Note: serial execution] in runtime/executor.py, which calls it).
-    Returns (order, None), or (the order so far, a task on a cycle) when the precedences cycle."""
-    import heapq
-
-    pos = {t.id: (li, i) for li, lane in enumerate(LANES) for i, t in enumerate(lanes.get(lane, []))}
-    task = {t.id: t for ts in lanes.values() for t in ts}
-    preds: dict[str, set[str]] = {tid: set() for tid in task}
-    for ts in lanes.values():
-        for a, b in zip(ts, ts[1:]):
-            preds[b.id].add(a.id)
-    for tid, t in task.items():
-        preds[tid].update(d for d in list(deps.get(tid, ())) + list(t.start_deps) if d in task)
-    succs: dict[str, list[str]] = {tid: [] for tid in task}
-    for tid, ps in preds.items():
-        for d in ps:
-            succs[d].append(tid)
-    left = {tid: len(ps) for tid, ps in preds.items()}
-
-    def key(tid: str) -> tuple:
-        t = task[tid]
-        return (t.start_us, t.end_us, *pos[tid], tid)
-
-    heap = [key(tid) for tid, n in left.items() if n == 0]
-    heapq.heapify(heap)
-    order: list[str] = []
-    while heap:
-        tid = heapq.heappop(heap)[-1]
-        order.append(tid)
-        for s in succs[tid]:
-            left[s] -= 1
-            if left[s] == 0:
-                heapq.heappush(heap, key(s))
-    if len(order) != len(task):
-        return order, min((tid for tid, n in left.items() if n), key=key)
-    return order, None
-
-
-def _token_order(lanes: Mapping[str, list[_T]], deps: Mapping[str, tuple[str, ...]]) -> list[str]:
-    """The executor's token order over ``lanes`` (:func:`linear_extension`)."""
-    order, stuck = linear_extension(lanes, deps)
-    if stuck is not None:
-        raise P2PDeadlock(f"task {stuck}: its lane order and same-stage dependencies form a cycle")
-    return order
-
-
-def _stage_deps(v: _View, s: int) -> dict[str, tuple[str, ...]]:
-    """Same-stage dependencies of each task of stage ``s`` as the executor waits on them (plan deps
-    plus the shared-link / serial token)."""
-    lanes = v.lanes[s]
-    prefix = f"s{s}/"
-    deps = {}
-    for ts in lanes.values():
-        for t in ts:
-            ds = tuple([d for d in t.deps if d.startswith(prefix)])
-            deps[t.id] = ds if len(set(ds)) == len(ds) else tuple(dict.fromkeys(ds))
-    known = set(deps)
-    for tid, ds in deps.items():
-        for d in ds:
-            if d not in known:
-                raise P2PDeadlock(f"task {tid}: dependency {d} is not a task of stage {s}")
-    groups = [tuple(LANES)] if v.strategy == "serial" else [tuple(g) for g in v.shared_links]
-    for group in groups:
-        order = _token_order({lane: lanes[lane] for lane in group}, deps)
-        for prev, tid in zip(order, order[1:]):
-            if prev not in deps[tid]:
-                deps[tid] += (prev,)
-    return deps
+        plan = plan_to_json(plan, native=True)  # read once into PlanTasks, which copy what they keep
+    lanes: dict[int, dict[str, list[PlanTask]]] = {}
+    deps: dict[str, tuple[str, ...]] = {}
+    for st in plan["stages"]:
+        prog = lower_stage(plan, int(st["stage"]))
+        lanes[prog.stage] = prog.lanes
+        deps.update(prog.deps)
+    return _View(lanes, deps)
 
 
 def _comm(kind: Kind, src: int, dst: int, comms: str) -> str:
@@ -230,7 +112,7 @@ class _Mismatch(Exception):
     """A transfer without its partner, or two paired out of order: the plan cannot run."""
 
 
-def _partners(task: dict[str, _T]) -> dict[str, str]:
+def _partners(task: dict[str, PlanTask]) -> dict[str, str]:
     """Send <-> receive, from each receive's dependency on its send (on another stage)."""
     partner: dict[str, str] = {}
     for t in task.values():
@@ -250,7 +132,7 @@ def _partners(task: dict[str, _T]) -> dict[str, str]:
     return partner
 
 
-def _match_by_order(v: _View, task: dict[str, _T], partner: dict[str, str], comm: dict[str, str]) -> dict[str, str]:
+def _match_by_order(v: _View, task: dict[str, PlanTask], partner: dict[str, str], comm: dict[str, str]) -> dict[str, str]:
     """NCCL matching: the k-th send a->b on a communicator meets b's k-th receive from a on it;
     raises :class:`_Mismatch` where that is not the planned partner."""
     sent: dict[tuple, list[str]] = {}
@@ -283,8 +165,8 @@ class _Run:
     of its communicator queue on both ranks."""
 
     v: _View
-    task: dict[str, _T]
-    deps: dict[str, list[str]]
+    task: dict[str, PlanTask]
+    deps: dict[str, tuple[str, ...]]
     comm: dict[str, str]
     match: dict[str, str]
     started: set[str] = field(default_factory=set)
@@ -297,7 +179,7 @@ class _Run:
     wait_done: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     wait_started: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
-    def _blocker(self, t: _T) -> tuple[set[str], str] | None:
+    def _blocker(self, t: PlanTask) -> tuple[set[str], str] | None:
         """What keeps ``t`` from starting: (the set it must join, the task), or None when ready."""
         for d in self.deps[t.id]:
             if d not in self.done:
@@ -307,7 +189,7 @@ class _Run:
                 return self.started, d
         return None
 
-    def _advance_lane(self, key: tuple[int, str], ts: list[_T], i: int) -> tuple[int, bool]:
+    def _advance_lane(self, key: tuple[int, str], ts: list[PlanTask], i: int) -> tuple[int, bool]:
         """Start and finish tasks of one lane from position ``i``: (the new position, whether a
         task started: a start can make a start dependency elsewhere ready). A lane that stops
         registers with what it waits for (a task to finish or start, a transfer to complete),
@@ -430,13 +312,12 @@ def analyse(plan, comms: str = "directed") -> Result:
     """Run the [Note: NCCL P2P model] on a plan.json dict or a Plan object."""
     if comms not in COMM_POLICIES:
         raise ValueError(f"comms: one of {', '.join(COMM_POLICIES)}; got {comms!r}")
-    v = _view(plan)
-    _local_start_deps(v)
+    try:
+        v = _view(plan)
+    except LoweringError as e:
+        return Result(str(e))
     task = {t.id: t for lanes in v.lanes.values() for ts in lanes.values() for t in ts}
     try:
-        deps = {}
-        for s in v.lanes:
-            deps.update(_stage_deps(v, s))
         partner = _partners(task)
         comm: dict[str, str] = {}
         for tid, p in partner.items():
@@ -444,9 +325,9 @@ def analyse(plan, comms: str = "directed") -> Result:
             src, dst = (t.stage, task[p].stage) if t.kind in SEND_KINDS else (task[p].stage, t.stage)
             comm[tid] = _comm(t.kind, src, dst, comms)
         match = _match_by_order(v, task, partner, comm)
-    except (P2PDeadlock, _Mismatch) as e:
+    except _Mismatch as e:
         return Result(str(e))
-    run = _Run(v, task, deps, comm, match)
+    run = _Run(v, task, v.deps, comm, match)
     pending = run.execute()
     n = len(partner) // 2
     if not pending:

@@ -32,7 +32,7 @@ sampled durations:
   the sync above;
 - the executor's tokens are replayed too: a serial plan's ranks run one task at a time in the
   planned order, and lanes that share a NIC pass their transfers one at a time (the order of
-  :func:`k3sched.p2pcheck.linear_extension`, as the runtime).
+  :func:`k3sched.lowering.linear_extension`, as the runtime).
 
 ``SAMPLES`` samples with a fixed seed (the replay is deterministic for a plan), reporting the
 mean step, its 10th and 90th percentiles and, per stage, rank 0's mean comm/compute overlap (the
@@ -85,7 +85,7 @@ def spread_active(cfg: "Config", cost: "CostModel") -> bool:
 
 
 class _Slot:
-    """What :func:`k3sched.p2pcheck.linear_extension` reads of a task."""
+    """What :func:`k3sched.lowering.linear_extension` reads of a task."""
 
     __slots__ = ("id", "start_us", "end_us", "start_deps")
 
@@ -98,8 +98,8 @@ def _token_edges(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str]
     """(previous, next) pairs of the token the executor passes among the lanes of each group on
     every stage: all lanes in a serial run ([Note: serial execution] in runtime/executor.py), the
     lanes that share a NIC otherwise ([Note: shared links] in k3sched/cost.py); same order as the
-    executor's (:func:`k3sched.p2pcheck.linear_extension`)."""
-    from .p2pcheck import linear_extension
+    executor's (:func:`k3sched.lowering.linear_extension`)."""
+    from .lowering import linear_extension
 
     edges: list[tuple[str, str]] = []
     stages = sorted({s for s, _ in lane_orders})

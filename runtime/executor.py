@@ -1,12 +1,15 @@
 """Five-lane executor: runs one rank's part of a plan (its PP stage's entry of plan.json).
 
 [Note: lane execution]
-Every lane (compute, ep, collective, offload_local, offload_remote) has a dedicated worker thread
-(and, on GPU, a dedicated CUDA stream that thread makes current). A lane runs its tasks strictly
-in the plan's order, one at a time. A task waits for its same-rank dependencies (``deps`` whose
-id names this stage, plus ``start_deps``: tasks that must have *started*) through threading
-events and, on GPU, CUDA events recorded on the producing lane's stream. Dependencies on other
-stages' tasks are satisfied by the P2P task itself (the recv waits for the matching send).
+The executor runs a :class:`~k3sched.lowering.LaneProgram`: the rank's stage of plan.json lowered
+by the passes of [Note: lowering] in k3sched/lowering.py (which the P2P check replays too); it
+adds no ordering of its own. Every lane (compute, ep, collective, offload_local, offload_remote)
+has a dedicated worker thread (and, on GPU, a dedicated CUDA stream that thread makes current). A
+lane runs its tasks strictly in the program's order, one at a time. A task waits for the
+program's dependencies (same-rank tasks that must have finished, and its ``start_deps``: tasks
+that must have *started*) through threading events and, on GPU, CUDA events recorded on the
+producing lane's stream. Dependencies on other stages' tasks are satisfied by the P2P task itself
+(the recv waits for the matching send).
 
 One interpreter touches the hardware: :class:`Executor` maps a task's kind to a handler (a dict
 kind -> callable) and enters the lane through :meth:`Executor._lane` (wait on input events, open
@@ -15,10 +18,10 @@ event). CUDA objects are created lazily, so this module imports and runs on CPU.
 
 [Note: serial execution]
 With ``serial=True`` (the ``serial`` strategy) the stage runs one task at a time, as the plan's
-baseline says: every task also waits for the task before it in :func:`serial_order` (a stage-wide
+baseline says: every task also waits for the task before it in the token order (a stage-wide
 token passed along one linear extension of the lane orders and dependencies, earliest planned
-start first). Lane threads stay, so the trace format and the handlers are the same, but no two
-tasks of a rank ever overlap. One thing stays asynchronous by construction: a P2P send task
+start first: :func:`k3sched.lowering.serial_tokens`). Lane threads stay, so the trace format and
+the handlers are the same, but no two tasks of a rank ever overlap. One thing stays asynchronous by construction: a P2P send task
 posts its ``isend`` and ends; gloo and NCCL move the bytes once the receiver has posted the matching
 receive, inside the receiver's ``recv`` task (where the cost model puts the transfer). A send that
 waited for its bytes to leave would wait for the receiver, and deadlock plans whose stages both
@@ -53,7 +56,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from k3sched.tasks import LANES, Kind, parse_task_id
+from k3sched.lowering import LaneProgram, PlanTask, lower, stage_lanes  # noqa: F401 - executor.NAME for callers
+from k3sched.lowering import token_order as serial_order  # noqa: F401 - the token order of a serial run
+from k3sched.tasks import LANES, Kind
 
 
 class _TorchNvtx:
@@ -110,59 +115,6 @@ TRACE_FORMAT = "k3sched.trace/1"
 PERTURB_ENV = "K3SCHED_PERTURB"
 
 
-@dataclass(frozen=True)
-class PlanTask:
-    """One task of this rank's stage, as plan.json lists it (the fields the runtime needs)."""
-
-    id: str
-    kind: Kind
-    lane: str
-    stage: int
-    chunk: int
-    mb: int | None
-    layer: int | None
-    deps: tuple[str, ...] = ()
-    start_deps: tuple[str, ...] = ()
-    bucket: int | None = None
-    bytes: int = 0
-    buffer: str | None = None
-    peer_stage: int | None = None
-    start_us: float = 0.0
-    end_us: float = 0.0
-    slice: int | None = None
-    """The micro-batch's sequence slice (None: the whole sequence; [Note: task id grammar])."""
-
-    @classmethod
-    def from_json(cls, t: Mapping, start_deps: tuple[str, ...] = ()) -> PlanTask:
-        return cls(id=t["id"], kind=Kind(t["kind"]), lane=t["lane"], stage=int(t["stage"]), chunk=int(t["chunk"]),
-                   mb=t.get("mb"), layer=t.get("layer"), deps=tuple(t.get("deps") or ()), start_deps=start_deps,
-                   bucket=parse_task_id(t["id"]).bucket, bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
-                   peer_stage=t.get("peer_stage"), start_us=float(t.get("start_us") or 0.0),
-                   end_us=float(t.get("end_us") or 0.0), slice=t.get("slice"))
-
-
-def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:
-    """The ordered tasks of each lane of ``stage`` from a plan.json dict."""
-    entry = next((s for s in plan["stages"] if s["stage"] == stage), None)
-    if entry is None:
-        raise ValueError(f"plan has no stage {stage} (stages: {[s['stage'] for s in plan['stages']]})")
-    start = dict(entry.get("start_deps") or {})
-    prefix = f"s{stage}/"
-    # The prefetch trigger of a remote onload is planned as a start dependency of the peer's
-    # act.rserve on the owner's backward task, which the peer cannot wait on: the owner's
-    # act.ronload waits for it instead (its receive then completes once the peer has served).
-    for other in plan["stages"]:
-        for tid, deps in (other.get("start_deps") or {}).items():
-            if tid.endswith("/act.rserve") and other["stage"] != stage:
-                mine = [d for d in deps if d.startswith(prefix)]
-                if mine:
-                    ron = prefix + tid.split("/", 1)[1].replace("act.rserve", "act.ronload")
-                    start[ron] = list(start.get(ron, [])) + mine
-    return {lane: [PlanTask.from_json(t, tuple(d for d in start.get(t["id"], ()) if d.startswith(prefix)))
-                   for t in entry["lanes"].get(lane, [])]
-            for lane in LANES}
-
-
 def parse_perturb(spec: str | None, rank: int | None = None) -> tuple[str, int | None] | None:
     """``LANE[:I][@RANK]`` -> (lane, i): swap tasks i and i+1 of the lane (the first independent
     pair without ``:I``), on rank RANK only when given. None/'' (or another rank) -> None."""
@@ -205,21 +157,6 @@ def perturb_lanes(lanes: dict[str, list[PlanTask]], lane: str, index: int | None
             tasks[i], tasks[i + 1] = tasks[i + 1], tasks[i]
             return tasks[i + 1].id, tasks[i].id
     return None
-
-
-def serial_order(lanes: Mapping[str, list[PlanTask]], deps: Mapping[str, tuple[str, ...]]) -> list[str]:
-    """One order of every task of a stage that keeps each lane's order and every same-stage
-    dependency (``deps`` plus each task's ``start_deps``), earliest planned start first.
-
-    This is the token order of a ``serial`` run ([Note: serial execution]): a linear extension of
-    the stage's precedence graph, ties broken by planned (start, end), then lane, then position.
-    Raises ValueError naming a task when the precedences form a cycle."""
-    from k3sched.p2pcheck import linear_extension
-
-    order, stuck = linear_extension(lanes, deps)
-    if stuck is not None:
-        raise ValueError(f"task {stuck}: its lane order and dependencies form a cycle; no serial order exists")
-    return order
 
 
 Handler = Callable[[PlanTask], None]
@@ -291,54 +228,48 @@ class _CudaLanes:
 
 
 class Executor:
-    """Runs the lanes of one stage (see [Note: lane execution]).
+    """Runs the lane program of one stage (see [Note: lane execution]).
 
-    ``lanes``: ordered tasks per lane (:func:`stage_lanes`). ``handlers``: kind -> callable(task).
-    ``device``: a torch device; CUDA streams are used when it is a CUDA device. ``perturb``:
-    (lane, index or None) swaps two tasks of that lane (``K3SCHED_PERTURB`` in a run,
-    [Note: runtime options]); None: no swap.
-    ``extra_deps``: task id -> more same-rank dependencies (data dependencies the runtime needs
-    that the plan may leave implicit). ``nvtx``: push an NVTX range per task. ``serial``: one
-    task at a time on this stage ([Note: serial execution]). ``shared_links``: groups of lanes whose
-    tasks run one at a time in planned order (plan.json ``shared_links``). ``racecheck``: a
+    ``program``: a :class:`~k3sched.lowering.LaneProgram` ([Note: lowering] in k3sched/lowering.py):
+    what each lane runs, in order, and what each task waits for. A mapping lane -> ordered tasks
+    (:func:`stage_lanes`) is lowered here with :func:`k3sched.lowering.lower`: ``perturb`` (lane,
+    index or None) first swaps two tasks of that lane (``K3SCHED_PERTURB`` in a run, [Note: runtime
+    options]); ``extra_deps``: task id -> more same-rank data dependencies the plan leaves implicit;
+    ``serial``: one task at a time on this stage ([Note: serial execution]); ``shared_links``:
+    groups of lanes whose tasks run one at a time in planned order (plan.json ``shared_links``).
+    ``stage``: the stage of ``lanes`` (default 0). A program is run as it is: those stay unset.
+    ``handlers``: kind -> callable(task). ``device``: a torch device; CUDA streams are used when it
+    is a CUDA device. ``nvtx``: push an NVTX range per task. ``racecheck``: a
     :class:`runtime.racecheck.RaceChecker` (or anything with ``enter(id)`` / ``leave(id)``) told
     which task each lane thread runs (settable after construction: ``racecheck`` attribute).
     """
 
-    def __init__(self, lanes: Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *, rank: int = 0,
-                 stage: int = 0, device=None, perturb: tuple[str, int | None] | None = None,
+    def __init__(self, program: LaneProgram | Mapping[str, list[PlanTask]], handlers: Mapping[Kind, Handler], *,
+                 rank: int = 0, stage: int | None = None, device=None, perturb: tuple[str, int | None] | None = None,
                  extra_deps: Mapping[str, tuple[str, ...]] | None = None, dep_timeout_s: float = 300.0,
                  nvtx: bool = True, serial: bool = False, shared_links: list | tuple = (), racecheck=None) -> None:
-        self.rank, self.stage = rank, stage
-        self.lanes = {lane: list(lanes.get(lane, [])) for lane in LANES}
-        self.perturbed = perturb_lanes(self.lanes, *perturb) if perturb else None
+        self.perturbed = None
+        if isinstance(program, LaneProgram):
+            if perturb or extra_deps or serial or shared_links or stage not in (None, program.stage):
+                raise ValueError("Executor: a LaneProgram runs as lowered; perturb, extra_deps, serial, "
+                                 "shared_links and another stage belong to k3sched.lowering.lower")
+        else:
+            lanes = {lane: list(program.get(lane, [])) for lane in LANES}
+            self.perturbed = perturb_lanes(lanes, *perturb) if perturb else None
+            program = lower(lanes, stage or 0, extra=extra_deps, serial=serial, shared_links=shared_links)
+        self.rank, self.stage = rank, program.stage
+        self.lanes = {lane: list(ts) for lane, ts in program.lanes.items()}
+        self.tasks = program.tasks()
+        self._deps: dict[str, tuple[str, ...]] = dict(program.deps)
         self.handlers = dict(handlers)
         self.dep_timeout_s = dep_timeout_s
         self.abort_grace_s = 2.0
         self.use_nvtx = nvtx and _nvtx is not None
         if nvtx and _nvtx is None:
             _nvtx_missing_notice()
-        self.tasks = {t.id: t for ts in self.lanes.values() for t in ts}
-        prefix = f"s{stage}/"
-        extra = extra_deps or {}
-        self._deps: dict[str, tuple[str, ...]] = {}
-        for tid, t in self.tasks.items():
-            local = [d for d in t.deps if d.startswith(prefix)] + [d for d in extra.get(tid, ()) if d in self.tasks]
-            missing = [d for d in local + list(t.start_deps) if d not in self.tasks]
-            if missing:
-                raise ValueError(f"task {tid}: dependency {missing[0]} is not a task of stage {stage}")
-            self._deps[tid] = tuple(dict.fromkeys(local))
-        # [Note: serial execution]: the token is one more dependency on the previous task; lanes that
-        # share a link ([Note: shared links] in k3sched/cost.py) pass a token among themselves
-        groups = [tuple(LANES)] if serial else [tuple(g) for g in shared_links]
-        for group in groups:
-            order = serial_order({lane: self.lanes[lane] for lane in group}, self._deps)
-            for prev, tid in zip(order, order[1:]):
-                if prev not in self._deps[tid]:
-                    self._deps[tid] += (prev,)
         unknown = sorted({t.kind.value for t in self.tasks.values() if t.kind not in self.handlers})
         if unknown:
-            raise ValueError(f"no handler for task kind(s) {', '.join(unknown)} (stage {stage})")
+            raise ValueError(f"no handler for task kind(s) {', '.join(unknown)} (stage {self.stage})")
         self.racecheck = racecheck
         self._cuda = None
         if device is not None and getattr(device, "type", str(device)) == "cuda":
@@ -463,9 +394,10 @@ class Executor:
         st.done[task.id].set()
 
     def dependencies(self) -> dict[str, tuple[str, ...]]:
-        """Task id -> the same-stage tasks it waits to finish (plan deps, extra deps, serial and
-        shared-link tokens; not ``start_deps``, which order starts only). With lane order, this is
-        the happens-before order of the stage ([Note: race detector] in runtime/racecheck.py)."""
+        """Task id -> the same-stage tasks it waits to finish (the program's: plan deps, extra deps,
+        serial and shared-link tokens; not ``start_deps``, which order starts only). With lane
+        order, this is the happens-before order of the stage ([Note: race detector] in
+        runtime/racecheck.py)."""
         return dict(self._deps)
 
     def lane_streams(self) -> dict[str, object]:

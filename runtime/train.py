@@ -410,6 +410,7 @@ def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
 def _build_executor(args: argparse.Namespace, s: _Setup, doc: dict, groups, spec, lanes, runner):
     """(executor, race checker or None): the lane orders checked against the peers', the plan's
     lanes perturbed and race-checked as asked."""
+    from k3sched.lowering import lower_stage
     from runtime.executor import Executor, perturb_lanes
     from runtime.groups import verify_orders
     from runtime.stage import verify_remote_orders
@@ -419,9 +420,8 @@ def _build_executor(args: argparse.Namespace, s: _Setup, doc: dict, groups, spec
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     verify_remote_orders(groups, lanes, stage)
     lanes, extra, planned_deps = _race_setup(args, lanes, runner.extra_deps(lanes), stage)
-    ex = Executor(lanes, runner.handlers(), rank=rank, stage=stage, device=s.device, perturb=None,
-                  extra_deps=extra, dep_timeout_s=args.timeout, serial=doc["strategy"] == "serial",
-                  shared_links=doc.get("shared_links", ()))
+    ex = Executor(lower_stage(doc, stage, lanes, extra), runner.handlers(), rank=rank, device=s.device,
+                  dep_timeout_s=args.timeout)  # [Note: lowering]: the lanes as changed, the plan's tokens
     ex.perturbed = perturbed
     rc = None
     if args.racecheck:  # [Note: race detector]

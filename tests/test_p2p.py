@@ -192,22 +192,22 @@ def test_seeded_crossing_on_the_remote_communicator_is_rejected():
     assert analyse(doc).error is None
 
 
-def test_token_order_matches_the_executor():
-    """p2pcheck replays the executor's shared-link token (runtime.executor.serial_order)."""
-    from runtime.executor import serial_order, stage_lanes
+def test_the_check_replays_the_program_the_executor_runs():
+    """p2pcheck reads each stage as the runtime's executor runs it ([Note: lowering]): the same
+    lanes, start dependencies and same-stage dependencies, tokens included."""
+    from runtime.executor import Executor, noop_handlers, stage_lanes
 
     from k3sched import p2pcheck
 
     doc = _doc(shape("1f1b", 2), "serial")
     v = p2pcheck._view(doc)
-    p2pcheck._local_start_deps(v)
     for s in (0, 1):
-        lanes = stage_lanes(doc, s)
-        deps = {t.id: tuple(d for d in t.deps if d.startswith(f"s{s}/")) for ts in lanes.values() for t in ts}
-        mine = {t.id: tuple(d for d in t.deps if d.startswith(f"s{s}/")) for ts in v.lanes[s].values() for t in ts}
-        assert p2pcheck._token_order(v.lanes[s], mine) == serial_order(lanes, deps)
-        assert {t.id: tuple(t.start_deps) for ts in lanes.values() for t in ts} == \
-            {t.id: tuple(t.start_deps) for ts in v.lanes[s].values() for t in ts}
+        with Executor(stage_lanes(doc, s), noop_handlers(), stage=s, perturb=None, nvtx=False,
+                      serial=doc["strategy"] == "serial", shared_links=doc["shared_links"]) as ex:
+            assert ex.lanes == v.lanes[s]
+            assert ex.dependencies() == {tid: v.deps[tid] for tid in ex.tasks}
+            assert any(len(ds) > len({d for d in ex.tasks[tid].deps if d.startswith(f"s{s}/")})
+                       for tid, ds in ex.dependencies().items())  # the serial token is among them
 
 
 # -- plan time and run time refuse a deadlocking plan ------------------------------------------
