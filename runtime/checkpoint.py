@@ -58,8 +58,8 @@ import time
 import zlib
 from pathlib import Path
 
-from runtime.safeload import (ALLOWED, CheckpointError, legacy_rng, read_metadata, rng_entries, rng_shapes, safe_reader,
-                              set_rng)
+from runtime.safeload import (ALLOWED, CheckpointError, check_tensors, legacy_rng, read_metadata, rng_entries,
+                              rng_shapes, safe_reader, set_rng)
 
 FORMAT = "k3sched.checkpoint/1"
 MARKER = "checkpoint.json"
@@ -147,8 +147,9 @@ def read_marker(path: Path, what: str) -> dict:
 
 def verify(path: str | Path, what: str = "--resume", *, files: bool = True) -> dict:
     """Check a checkpoint before resuming from it: marker, every file's size and CRC32 (``files``),
-    DCP metadata readable through the allow-list (:func:`runtime.safeload.read_metadata`). Returns
-    the marker; CheckpointError (one line) otherwise."""
+    DCP metadata readable through the allow-list (:func:`runtime.safeload.read_metadata`), every
+    tensor readable with ``weights_only`` and every RNG state decodable (``files``:
+    :func:`runtime.safeload.check_tensors`). Returns the marker; CheckpointError (one line) otherwise."""
     p = Path(path)
     doc = read_marker(p, what)
     if files:
@@ -167,7 +168,9 @@ def verify(path: str | Path, what: str = "--resume", *, files: bool = True) -> d
             if got[1] != crc:
                 raise CheckpointError(f"{what} {p}: corrupt checkpoint ({name} fails its CRC32 check); allowed: "
                                       f"a complete checkpoint")
-    read_metadata(p, what)
+    md = read_metadata(p, what)
+    if files:
+        check_tensors(p, md, what)
     return doc
 
 
@@ -515,16 +518,8 @@ class Checkpointer:
                                       f"{list(t.shape)}; allowed: a checkpoint of this model")
         try:
             dcp.load(want, storage_reader=safe_reader(p), process_group=self.group, no_dist=not self.dist)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a file that reads wrong is a corrupt checkpoint
-            refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-            if refused:
-                raise CheckpointError(f"--resume {p}: refused: a tensor file asks to load {refused.group(1)}, which "
-                                      f"is not part of a checkpoint; {ALLOWED}") from None
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CheckpointError(f"--resume {p}: corrupt checkpoint (loading failed: {type(e).__name__} {first})"
-                                  ) from None
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a file that reads wrong is corrupt
+            raise _load_error(e, p) from None
         if r.optimizer is not None and opt_state:
             r.optimizer.load_state_dict({"state": opt_state, "param_groups": r.optimizer.state_dict()["param_groups"]})
         if r.gshards is not None:
@@ -576,6 +571,22 @@ class Checkpointer:
                 states[i] = {"step": step if step is not None else torch.zeros((), dtype=torch.float32),
                              "exp_avg": avg, "exp_avg_sq": sq}
         gs.optimizer.load_state_dict({"state": states, "param_groups": gs.optimizer.state_dict()["param_groups"]})
+
+
+def _load_error(e: BaseException, p: Path) -> CheckpointError:
+    """The one line for a failed ``dcp.load`` (a CheckpointException, a BaseException, carries every
+    failed rank's error): a CheckpointError of ours, a global that ``weights_only`` refused, or the
+    first failure."""
+    causes = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]
+    for c in causes:
+        if isinstance(c, CheckpointError):
+            return c
+    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", "\n".join(str(c) for c in causes))
+    if refused:
+        return CheckpointError(f"--resume {p}: refused: a tensor file asks to load {refused.group(1)}, which is not "
+                               f"part of a checkpoint; {ALLOWED}")
+    first = str(causes[0]).strip().splitlines()[0] if str(causes[0]).strip() else ""
+    return CheckpointError(f"--resume {p}: corrupt checkpoint (loading failed: {type(causes[0]).__name__} {first})")
 
 
 def _writer(path: Path, kill: bool = False):

@@ -198,9 +198,10 @@ def _ints(t, what: str, lo: int, hi: int) -> list[int]:
     return [int(v) for v in vals]
 
 
-def set_rng(entries: dict, prefix: str, what: str, p: Path) -> None:
-    """Set torch's, CUDA's, Python's and NumPy's RNG from :func:`rng_entries`' tensors, checked
-    (dtype, shape, every value in its range); CheckpointError (one line) otherwise."""
+def decode_rng(entries: dict, prefix: str, what: str, p: Path) -> tuple:
+    """(torch state, ``random`` state, NumPy state, CUDA rows or None) of :func:`rng_entries`'
+    tensors, checked (dtype, shape, every value in its range, each state taken by a fresh
+    generator); CheckpointError (one line) otherwise."""
     import numpy as np
     import torch
 
@@ -225,13 +226,28 @@ def set_rng(entries: dict, prefix: str, what: str, p: Path) -> None:
         cached = float(npy[-1])
         if np_has_g not in (0, 1) or not math.isfinite(cached):
             raise ValueError("numpy: not an MT19937 state")
-        random.setstate((version, tuple(words), gauss if has_g else None))
-        np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, np_has_g, cached))
-        torch.set_rng_state(t.contiguous())
+        py_state = (version, tuple(words), gauss if has_g else None)
+        np_state = ("MT19937", np.array(keys, dtype=np.uint32), pos, np_has_g, cached)
+        random.Random().setstate(py_state)
+        np.random.RandomState().set_state(np_state)
+        torch.Generator().set_state(t.contiguous())
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what} {p}: corrupt checkpoint ({prefix} is not an RNG state: {first}); "
                               f"{ALLOWED}") from None
+    return t.contiguous(), py_state, np_state, cuda
+
+
+def set_rng(entries: dict, prefix: str, what: str, p: Path) -> None:
+    """Set torch's, CUDA's, Python's and NumPy's RNG from :func:`rng_entries`' tensors, checked by
+    :func:`decode_rng`."""
+    import numpy as np
+    import torch
+
+    t, py_state, np_state, cuda = decode_rng(entries, prefix, what, p)
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    torch.set_rng_state(t)
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(cuda[:torch.cuda.device_count()]))
 
@@ -282,3 +298,35 @@ def legacy_rng(raw: bytes, prefix: str, what: str, p: Path) -> dict:
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
         raise CheckpointError(f"{what} {p}: corrupt checkpoint ({prefix} is not a pickled RNG state of the earlier "
                               f"format); {ALLOWED}") from None
+
+
+def check_tensors(path: str | Path, md, what: str = "--resume") -> None:
+    """Read every tensor of checkpoint ``path`` (metadata ``md`` from :func:`read_metadata`) as the
+    ranks do (``torch.load(weights_only=True)`` of its slice) and decode every rank's RNG states:
+    a refused global or anything unreadable is one line before anything launches."""
+    import torch
+
+    p = Path(path)
+    rng: dict = {}
+    for idx, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        try:
+            with open(p / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            if refused:
+                raise CheckpointError(f"{what} {p}: refused: tensor file {info.relative_path} asks to load "
+                                      f"{refused.group(1)}, which is not part of a checkpoint; {ALLOWED}") from None
+            raise CheckpointError(f"{what} {p}: corrupt checkpoint ({idx.fqn} unreadable: UnpicklingError)") from None
+        except Exception as e:  # noqa: BLE001 - anything else unreadable is a corrupt file
+            raise CheckpointError(f"{what} {p}: corrupt checkpoint ({idx.fqn} unreadable: {type(e).__name__})"
+                                  ) from None
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{what} {p}: corrupt checkpoint ({idx.fqn} is not a tensor)")
+        if idx.fqn.startswith("rng."):
+            rng[idx.fqn] = t
+    for prefix in sorted({k if k.count(".") == 1 else k.rsplit(".", 1)[0] for k in rng}):
+        entries = legacy_rng(rng[prefix].numpy().tobytes(), prefix, what, p) if prefix in rng else rng
+        decode_rng(entries, prefix, what, p)
