@@ -32,8 +32,9 @@ coordinator has written ``.metadata`` after all write results came in, and each 
 CRC32 of its files), rank 0 writes ``checkpoint.json`` (to a temporary name, fsync, rename) and
 renames the directory to ``step_K`` (fsync of the parent). A rank killed at any point before that
 leaves a ``.tmp-*`` directory, never a ``step_K``: ``--resume latest`` takes the newest ``step_K``
-holding a marker, and checks its files (sizes, CRC32) and DCP metadata before launching. Stale
-``.tmp-*`` directories of earlier runs are deleted by the next run that saves.
+holding a marker, and checks its files (sizes, CRC32), DCP metadata, tensors and RNG states
+(:func:`verify`) before launching. Stale ``.tmp-*`` directories of earlier runs are deleted by the
+next run that saves.
 
 [Note: asynchronous save]
 ``--save-mode async`` (default) uses ``dcp.async_save`` on a process group of its own (a gloo
@@ -59,7 +60,7 @@ import zlib
 from pathlib import Path
 
 from runtime.safeload import (ALLOWED, CheckpointError, check_tensors, legacy_rng, read_metadata, rng_entries,
-                              rng_shapes, safe_reader, set_rng)
+                              rng_shapes, safe_reader, set_rng, weights_only_refusal)
 
 FORMAT = "k3sched.checkpoint/1"
 MARKER = "checkpoint.json"
@@ -581,10 +582,10 @@ def _load_error(e: BaseException, p: Path) -> CheckpointError:
     for c in causes:
         if isinstance(c, CheckpointError):
             return c
-    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", "\n".join(str(c) for c in causes))
+    refused = weights_only_refusal("\n".join(str(c) for c in causes))
     if refused:
-        return CheckpointError(f"--resume {p}: refused: a tensor file asks to load {refused.group(1)}, which is not "
-                               f"part of a checkpoint; {ALLOWED}")
+        return CheckpointError(f"--resume {p}: refused: a tensor file asks to load {refused}, which is not part of a "
+                               f"checkpoint; {ALLOWED}")
     first = str(causes[0]).strip().splitlines()[0] if str(causes[0]).strip() else ""
     return CheckpointError(f"--resume {p}: corrupt checkpoint (loading failed: {type(causes[0]).__name__} {first})")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 PY_WORDS = 625  # random.getstate()[1]: 624 MT words and the position
 NP_WORDS = 624  # np.random.get_state()[1]
-DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")
+DISTCP_RE = re.compile(r"__\d+_\d+\.distcp")
 ALLOWED = "allowed: a checkpoint written by k3sched run --save-every (a checkpoint folder cannot run code)"
 
 
@@ -121,7 +121,7 @@ def read_metadata(path: str | Path, what: str = "--resume"):
     for k, v in md.storage_data.items():
         if type(k) is not m.MetadataIndex or type(v) is not fs._StorageInfo:
             raise bad("storage entry is not an index and a file slice")
-        if not isinstance(v.relative_path, str) or not DISTCP_RE.match(v.relative_path):
+        if not isinstance(v.relative_path, str) or not DISTCP_RE.fullmatch(v.relative_path):
             raise bad(f"names data file {v.relative_path!r}, not one of the folder's __R_I.distcp files")
         if v.transform_descriptors:
             raise bad(f"asks for stream transforms {v.transform_descriptors!r}")
@@ -300,6 +300,12 @@ def legacy_rng(raw: bytes, prefix: str, what: str, p: Path) -> dict:
                               f"format); {ALLOWED}") from None
 
 
+def weights_only_refusal(text: str) -> str | None:
+    """The global that ``torch.load(weights_only=True)`` refused, from its error text (None: not a refusal)."""
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    return m.group(1) if m else None
+
+
 def check_tensors(path: str | Path, md, what: str = "--resume") -> None:
     """Read every tensor of checkpoint ``path`` (metadata ``md`` from :func:`read_metadata`) as the
     ranks do (``torch.load(weights_only=True)`` of its slice) and decode every rank's RNG states:
@@ -315,10 +321,9 @@ def check_tensors(path: str | Path, md, what: str = "--resume") -> None:
                 raw = f.read(info.length)
             t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-            if refused:
-                raise CheckpointError(f"{what} {p}: refused: tensor file {info.relative_path} asks to load "
-                                      f"{refused.group(1)}, which is not part of a checkpoint; {ALLOWED}") from None
+            if (name := weights_only_refusal(str(e))) is not None:
+                raise CheckpointError(f"{what} {p}: refused: tensor file {info.relative_path} asks to load {name}, "
+                                      f"which is not part of a checkpoint; {ALLOWED}") from None
             raise CheckpointError(f"{what} {p}: corrupt checkpoint ({idx.fqn} unreadable: UnpicklingError)") from None
         except Exception as e:  # noqa: BLE001 - anything else unreadable is a corrupt file
             raise CheckpointError(f"{what} {p}: corrupt checkpoint ({idx.fqn} unreadable: {type(e).__name__})"
