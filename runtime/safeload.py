@@ -12,7 +12,9 @@ wrote it (the same folder carries them). So nothing read from it can name code t
   read by DCP's planner with ``torch.load(weights_only=False)``, and k3sched writes tensors only.
   The result is checked too: tensor entries only, data in the folder's own ``__R_I.distcp`` files,
   no stream transforms. :func:`safe_reader` (a ``FileSystemReader``) serves it to ``dcp.load``.
-- The tensor files are read by DCP with ``torch.load(weights_only=True)``.
+- The tensor files are read with ``torch.load(weights_only=True)``: by DCP in the ranks, and
+  before that by :func:`check_tensors` in the launcher (which decodes every RNG state too), so a
+  refusal is one line before anything launches.
 - RNG states are tensors (:func:`rng_entries`): torch's (and CUDA's) generator states as uint8,
   Python's ``random`` and NumPy's MT19937 states as float64 numbers (every field an integer below
   2**32 or the cached Gaussian, exact in float64). :func:`set_rng` accepts these shapes and values
@@ -112,24 +114,40 @@ def read_metadata(path: str | Path, what: str = "--resume"):
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{what} {p}: corrupt checkpoint (.metadata {why}); {ALLOWED}")
 
-    if type(md) is not m.Metadata or not isinstance(md.state_dict_metadata, dict) \
-            or not isinstance(md.storage_data, dict):
+    if type(md) is not m.Metadata or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(md, "storage_data", None), dict):
         raise bad("is not DCP metadata")
     for k, v in md.state_dict_metadata.items():
-        if not isinstance(k, str) or type(v) is not m.TensorStorageMetadata:
+        if not isinstance(k, str) or not _tensor_entry(v):
             raise bad(f"entry {k!r} is not a tensor")
     for k, v in md.storage_data.items():
-        if type(k) is not m.MetadataIndex or type(v) is not fs._StorageInfo:
+        name, offset, length = (getattr(v, f, None) for f in ("relative_path", "offset", "length"))
+        if type(k) is not m.MetadataIndex or not isinstance(getattr(k, "fqn", None), str) \
+                or type(v) is not fs._StorageInfo or not all(isinstance(n, int) and n >= 0 for n in (offset, length)):
             raise bad("storage entry is not an index and a file slice")
-        if not isinstance(v.relative_path, str) or not DISTCP_RE.fullmatch(v.relative_path):
-            raise bad(f"names data file {v.relative_path!r}, not one of the folder's __R_I.distcp files")
-        if v.transform_descriptors:
+        if not isinstance(name, str) or not DISTCP_RE.fullmatch(name):
+            raise bad(f"names data file {name!r}, not one of the folder's __R_I.distcp files")
+        if getattr(v, "transform_descriptors", None):
             raise bad(f"asks for stream transforms {v.transform_descriptors!r}")
-    if md.storage_meta is None:
+    if getattr(md, "storage_meta", None) is None:
         md.storage_meta = m.StorageMeta()
     if type(md.storage_meta) is not m.StorageMeta:
         raise bad("storage_meta is not a StorageMeta")
     return md
+
+
+def _tensor_entry(v) -> bool:
+    """``v`` is a TensorStorageMetadata with a dtype, a size and chunks as DCP writes them (fields
+    that BUILD may have left out included)."""
+    import torch
+    from torch.distributed.checkpoint import metadata as m
+
+    chunks = getattr(v, "chunks", None)
+    return (type(v) is m.TensorStorageMetadata and type(getattr(v, "size", None)) is torch.Size
+            and isinstance(getattr(getattr(v, "properties", None), "dtype", None), torch.dtype)
+            and isinstance(chunks, list)
+            and all(type(c) is m.ChunkStorageMetadata and type(getattr(c, "offsets", None)) is torch.Size
+                    and type(getattr(c, "sizes", None)) is torch.Size for c in chunks))
 
 
 def safe_reader(path: str | Path, what: str = "--resume"):
@@ -333,5 +351,7 @@ def check_tensors(path: str | Path, md, what: str = "--resume") -> None:
         if idx.fqn.startswith("rng."):
             rng[idx.fqn] = t
     for prefix in sorted({k if k.count(".") == 1 else k.rsplit(".", 1)[0] for k in rng}):
+        if prefix in rng and (rng[prefix].dtype != torch.uint8 or rng[prefix].layout != torch.strided):
+            raise CheckpointError(f"{what} {p}: corrupt checkpoint ({prefix} is not the bytes of a pickled RNG state)")
         entries = legacy_rng(rng[prefix].numpy().tobytes(), prefix, what, p) if prefix in rng else rng
         decode_rng(entries, prefix, what, p)
