@@ -16,7 +16,10 @@ each name from wherever it was written):
   as ``master.<name>[.e<E>]`` (fp32) and the same ``optim.*`` names (fp32 moments), so they too
   load into another layout (each rank re-cuts its shard). The host fp32 *gradient* shards are
   zero at every step boundary (``GradShards.step`` zeroes them), so there is nothing to save.
-- ``rng.rank<R>``: each rank's torch (and CUDA), Python and NumPy RNG states, pickled.
+- ``rng.rank<R>.torch / .cuda / .python / .numpy``: each rank's torch (and CUDA), Python and NumPy
+  RNG states as tensors (:func:`runtime.safeload.rng_entries`). A checkpoint folder cannot run code:
+  nothing in it is unpickled but through an allow-list ([Note: checkpoint trust] in
+  runtime/safeload.py; docs/checkpoints.md says what a checkpoint can make k3sched do).
 
 The marker file ``checkpoint.json`` (written last, by rank 0) holds the global step (steps done),
 the data state (synthetic: the step; file: samples consumed, ``runtime/data.py``), the model
@@ -29,8 +32,9 @@ coordinator has written ``.metadata`` after all write results came in, and each 
 CRC32 of its files), rank 0 writes ``checkpoint.json`` (to a temporary name, fsync, rename) and
 renames the directory to ``step_K`` (fsync of the parent). A rank killed at any point before that
 leaves a ``.tmp-*`` directory, never a ``step_K``: ``--resume latest`` takes the newest ``step_K``
-holding a marker, and checks its files (sizes, CRC32) and DCP metadata before launching. Stale
-``.tmp-*`` directories of earlier runs are deleted by the next run that saves.
+holding a marker, and checks its files (sizes, CRC32), DCP metadata, tensors and RNG states
+(:func:`verify`) before launching. Stale ``.tmp-*`` directories of earlier runs are deleted by the
+next run that saves.
 
 [Note: asynchronous save]
 ``--save-mode async`` (default) uses ``dcp.async_save`` on a process group of its own (a gloo
@@ -47,8 +51,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import random
 import re
 import shutil
 import signal
@@ -56,6 +58,9 @@ import threading
 import time
 import zlib
 from pathlib import Path
+
+from runtime.safeload import (ALLOWED, CheckpointError, check_tensors, legacy_rng, read_metadata, rng_entries,
+                              rng_shapes, safe_reader, set_rng, weights_only_refusal)
 
 FORMAT = "k3sched.checkpoint/1"
 MARKER = "checkpoint.json"
@@ -69,10 +74,6 @@ VERIFIED_ENV = "K3SCHED_CKPT_VERIFIED"
 SHAPE_FIELDS = ("layers", "dense_layers", "hidden", "heads", "experts", "shared_experts", "expert_hidden",
                 "dense_hidden", "vocab", "dtype")
 EXPERT_PARAMS = frozenset({"w1", "w3", "w2"})  # as moe.model.EXPERT_PARAMS (no torch import here)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (missing, incomplete, corrupt, another model); one line."""
 
 
 # ---- files (no torch needed) ---------------------------------------------------------------------
@@ -147,7 +148,9 @@ def read_marker(path: Path, what: str) -> dict:
 
 def verify(path: str | Path, what: str = "--resume", *, files: bool = True) -> dict:
     """Check a checkpoint before resuming from it: marker, every file's size and CRC32 (``files``),
-    DCP metadata readable. Returns the marker; CheckpointError (one line) otherwise."""
+    DCP metadata readable through the allow-list (:func:`runtime.safeload.read_metadata`), every
+    tensor readable with ``weights_only`` and every RNG state decodable (``files``:
+    :func:`runtime.safeload.check_tensors`). Returns the marker; CheckpointError (one line) otherwise."""
     p = Path(path)
     doc = read_marker(p, what)
     if files:
@@ -166,12 +169,9 @@ def verify(path: str | Path, what: str = "--resume", *, files: bool = True) -> d
             if got[1] != crc:
                 raise CheckpointError(f"{what} {p}: corrupt checkpoint ({name} fails its CRC32 check); allowed: "
                                       f"a complete checkpoint")
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        FileSystemReader(str(p)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - anything unreadable is a corrupt checkpoint
-        raise CheckpointError(f"{what} {p}: corrupt checkpoint (DCP metadata unreadable: {type(e).__name__})") from None
+    md = read_metadata(p, what)
+    if files:
+        check_tensors(p, md, what)
     return doc
 
 
@@ -254,28 +254,6 @@ def _entries(prefix: str, name: str, t, experts: range, field: str | None = None
     return {f"{prefix}{name}.e{e}{tail}": (t[j].clone() if clone else t[j]) for j, e in enumerate(experts)}
 
 
-def _rng_state() -> bytes:
-    import numpy as np
-    import torch
-
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return pickle.dumps(st)
-
-
-def _set_rng_state(raw: bytes) -> None:
-    import numpy as np
-    import torch
-
-    st = pickle.loads(raw)  # noqa: S301 - our own checkpoint, verified by CRC32
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
 def _fsync_dir(d: Path) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -342,8 +320,6 @@ class Checkpointer:
 
     def state_dict(self, clone: bool = True) -> dict:
         """This rank's entries (see [Note: checkpoint contents]); expert slices are copies."""
-        import torch
-
         r, e0 = self.runner, self.experts
         sd: dict = {}
         for name, t in r.model.state_dict().items():
@@ -363,8 +339,7 @@ class Checkpointer:
                         sd.update(_entries("master.", full, t, e0, clone=False))
                     else:
                         sd.update(_entries("optim.", full, t, e0, f, clone=False))
-        raw = _rng_state()
-        sd[f"rng.rank{self.rank}"] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        sd.update(rng_entries(f"rng.rank{self.rank}"))
         return sd
 
     def _gshard_full(self) -> dict:
@@ -499,11 +474,10 @@ class Checkpointer:
         shape for one."""
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
 
         p = Path(path)
         doc = read_marker(p, "--resume")
-        md = FileSystemReader(str(p)).read_metadata().state_dict_metadata
+        md = read_metadata(p).state_dict_metadata
         r, e0 = self.runner, self.experts
         want: dict = {}
         for name, t in r.model.state_dict().items():
@@ -533,9 +507,8 @@ class Checkpointer:
                                 d["master"] = None
                         else:
                             want.update(_entries("optim.", full, t, e0, f, clone=False))
-        rng_key = f"rng.rank{self.rank}" if f"rng.rank{self.rank}" in md else "rng.rank0"
-        if rng_key in md:
-            want[rng_key] = torch.zeros(tuple(md[rng_key].size), dtype=torch.uint8)
+        rng_prefix, rng = self._rng_want(md)
+        want.update(rng)
         for k, t in want.items():
             if k not in md:
                 raise CheckpointError(f"--resume {p}: the checkpoint has no {k} (saved from another model?); "
@@ -545,18 +518,33 @@ class Checkpointer:
                 raise CheckpointError(f"--resume {p}: {k} has shape {list(size)} in the checkpoint, this model needs "
                                       f"{list(t.shape)}; allowed: a checkpoint of this model")
         try:
-            dcp.load(want, checkpoint_id=str(p), process_group=self.group, no_dist=not self.dist)
-        except Exception as e:  # noqa: BLE001 - a file that reads wrong is a corrupt checkpoint
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CheckpointError(f"--resume {p}: corrupt checkpoint (loading failed: {type(e).__name__} {first})"
-                                  ) from None
+            dcp.load(want, storage_reader=safe_reader(p), process_group=self.group, no_dist=not self.dist)
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - a file that reads wrong is corrupt
+            raise _load_error(e, p) from None
         if r.optimizer is not None and opt_state:
             r.optimizer.load_state_dict({"state": opt_state, "param_groups": r.optimizer.state_dict()["param_groups"]})
         if r.gshards is not None:
             self._load_gshards(gfull)
-        if rng_key in want:
-            _set_rng_state(want[rng_key].numpy().tobytes())
+        if rng_prefix in rng:  # the earlier format: a pickled dict, read through an allow-list
+            rng = legacy_rng(rng[rng_prefix].numpy().tobytes(), rng_prefix, "--resume", p)
+        if rng:
+            set_rng(rng, rng_prefix, "--resume", p)
         return doc
+
+    def _rng_want(self, md: dict) -> tuple[str, dict]:
+        """(prefix, the RNG entries to load; see [Note: checkpoint contents]): this rank's, else rank
+        0's (a checkpoint of fewer ranks); of the earlier format, ``{prefix: its pickled bytes}``;
+        none in a checkpoint without RNG states."""
+        import torch
+
+        mine = f"rng.rank{self.rank}"
+        prefix = mine if f"{mine}.torch" in md or mine in md else "rng.rank0"
+        if f"{prefix}.torch" in md:
+            cuda = md.get(f"{prefix}.cuda")
+            return prefix, rng_shapes(prefix, tuple(cuda.size) if cuda is not None else None)
+        if prefix in md:
+            return prefix, {prefix: torch.zeros(tuple(md[prefix].size), dtype=torch.uint8)}
+        return prefix, {}
 
     def _load_gshards(self, gfull: dict) -> None:
         """Cut this rank's host shards (master and AdamW moments) out of the full tensors."""
@@ -584,6 +572,22 @@ class Checkpointer:
                 states[i] = {"step": step if step is not None else torch.zeros((), dtype=torch.float32),
                              "exp_avg": avg, "exp_avg_sq": sq}
         gs.optimizer.load_state_dict({"state": states, "param_groups": gs.optimizer.state_dict()["param_groups"]})
+
+
+def _load_error(e: BaseException, p: Path) -> CheckpointError:
+    """The one line for a failed ``dcp.load`` (a CheckpointException, a BaseException, carries every
+    failed rank's error): a CheckpointError of ours, a global that ``weights_only`` refused, or the
+    first failure."""
+    causes = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]
+    for c in causes:
+        if isinstance(c, CheckpointError):
+            return c
+    refused = weights_only_refusal("\n".join(str(c) for c in causes))
+    if refused:
+        return CheckpointError(f"--resume {p}: refused: a tensor file asks to load {refused}, which is not part of a "
+                               f"checkpoint; {ALLOWED}")
+    first = str(causes[0]).strip().splitlines()[0] if str(causes[0]).strip() else ""
+    return CheckpointError(f"--resume {p}: corrupt checkpoint (loading failed: {type(causes[0]).__name__} {first})")
 
 
 def _writer(path: Path, kill: bool = False):
