@@ -48,8 +48,8 @@ _GRAD_KINDS = WGRAD_KINDS | {Kind.ROUTER_BWD}  # tasks that add to parameter gra
 # on the task of the same kind, layer and chunk that comes before it in the graph's order (the
 # backward order of the pipeline: micro-batches ascending on a vstage, slices in reverse): every
 # plan of a pipeline, serial or co-scheduled, exact or listed, adds in that one order. Without
-# it, the k3 plan of a probed CPU profile (tiny-cpu at hidden 128, offload all) ran embed.dw of
-# micro-batch 2 before that of micro-batch 1 and its step-1 loss differed from the serial run's.
+# it, a co-scheduled plan may run embed.dw of micro-batch 2 before that of micro-batch 1, and its
+# loss then differs from the serial run's.
 # These tasks share the compute lane, so the dependency costs the executor nothing: it only keeps
 # a schedule from reordering them.
 

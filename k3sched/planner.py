@@ -465,13 +465,12 @@ k3sched/limits.py) is first tried where it is hardest to miss (:func:`_lean_cann
 
 def _lean_cannot_fit(cfg: Config, search: _Search, budget: int, levels: list[tuple[int, int]]) -> bool:
     """[Note: fast infeasible budgets] Near the cheap memory bound a budget is often infeasible, and
-    the configured memory level's offload search would spend most of its attempts finding that out
-    (on K2-like: 7 of the 17 list schedules of a refusal). So, for a budget within
-    :data:`NEAR_BOUND` of the bound, one list schedule at the leanest level with every activation set
+    the configured memory level's offload search would spend many of its attempts finding that out.
+    So, for a budget within :data:`NEAR_BOUND` of the bound, one list schedule at the leanest level with every activation set
     offloaded comes first. If even that misses the budget, the planner goes straight to the
     leanest level's search, which decides feasibility as it does after the configured level fails;
     if that search plans after all, planning goes on as usual. A budget this check passes, or one
-    far above the bound, costs nothing more than before."""
+    far above the bound, costs nothing more than without the check."""
     if len(levels) < 2 or not search.all_sets:
         return False
     from .limits import memory_lower_bound
