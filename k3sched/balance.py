@@ -224,10 +224,9 @@ def routing_imbalance(tokens_per_expert: list[list[int]], ep: int) -> float:
     """[Note: routing imbalance] An all-to-all ends when its busiest rank does, and that rank's expert
     GEMMs are the longest: what matters is max over mean of the EP ranks' routed tokens *per call*.
     Even an unskewed router spreads tokens unevenly: its initial weights and the data give some
-    experts more than others, differently in every layer and micro-batch (on the shaped-link
-    testbed, tiny-cpu's router at init: 1.00-1.20 per layer and step, mean 1.09, over EP 2), and
-    per-layer noise does not average out over a step, since every call waits for its own busiest
-    rank. Given each call's tokens per expert (one row per layer and micro-batch, from a run at
+    experts more than others, differently in every layer and micro-batch, and per-layer noise
+    does not average out over a step, since every call waits for its own busiest rank. Given
+    each call's tokens per expert (one row per layer and micro-batch, from a run at
     EP 1: ``k3sched probe``'s operator profile), this is the mean over the calls of that ratio on
     the contiguous placement of ``ep`` ranks; ``model.routing_imbalance`` carries it to the cost
     model, which scales the modelled loads' factors by it ([Note: skewed cost]). 1.0 without

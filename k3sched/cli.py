@@ -221,7 +221,7 @@ def plan(
         except ValueError as e:
             fail(f"--from-torch-csv: {e}")
     p = _plan_or_fail(cfg, strategy, sched)
-    gc.freeze()  # the plan lives until exit: later collections need not walk it (a third of the P2P check's CPU)
+    gc.freeze()  # the plan lives until exit: later collections (the P2P check causes many) need not walk it
 
     def report() -> None:  # before any output is written, while a child builds the trace ([Note: parallel outputs])
         if (why := cli_plan.p2p_refusal(p)) is not None:  # [Note: NCCL P2P model]: a plan that would hang

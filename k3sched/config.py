@@ -364,10 +364,10 @@ class ScheduleConfig(_Section):
     """Model and data seed of runs, 0..2^63-1."""
     max_tasks: int = _int(1, MAX_TASKS_LIMIT, default=DEFAULT_MAX_TASKS)
     """Largest plan (tasks in one step, counted before they are built) the planner takes on,
-    1..100,000,000; a larger one is refused up front (:mod:`k3sched.limits`). Planning runs at about
-    15-20k tasks/s and 2.5 KB per task (k2-like: 38k tasks, 2 s; tiny-cpu with 2900 micro-batches:
-    197k tasks, 9 s, 0.5 GB), so the default 200,000 keeps a plan within seconds. Written out (plan.json's
-    config) only when not the default: it bounds the planner's work, not what a plan is."""
+    1..100,000,000; a larger one is refused up front (:mod:`k3sched.limits`). Planning time and
+    memory grow with the tasks (k2-like has 38k), so the default 200,000 keeps a plan within seconds
+    and well under a GB. Written out (plan.json's config) only when not the default: it bounds the
+    planner's work, not what a plan is."""
 
     @model_serializer(mode="wrap")
     def _drop_default_limit(self, handler: Any) -> dict[str, Any]:

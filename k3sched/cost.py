@@ -187,19 +187,16 @@ class CostModel:
         tokens: expert.dw stacks one weight gradient per local expert and adds it to the weights'
         gradient (bytes of every local expert's weights, twice), and each local expert is a GEMM call
         of its own. Measured with every expert on one rank (the operator profile), that part is not
-        what a rank of ``ep`` ranks, holding ``experts / ep``, pays. On the 2-core testbed at
-        benchmarks/bench_overlap.py's shapes (two copies computing at once: runtime/probe's
-        ``measure_ops_concurrent``, twice each, 2026-12-04), expert.dw took 16.3 ms with 8 experts and
-        11.8 ms with 4 (the same tokens), expert.fwd 14.4 and 13.5, expert.dx 15.3 and 13.5 (the
-        bench's probe: 540 / 629 / 1035 µs per expert for fwd / dx / dw); in EP 2 runs planned from the 8-expert profile alone, expert.dw ran 0.56-0.65 of its
-        planned time on the two ranks' mean (fwd 0.78-0.91, dx 0.78-0.87), which made the plans'
-        compute too long, hence their overlap too high and their serial steps too long. So a profile
-        may give per expert kind ``per_expert_us``: the profiled time is that much per expert (of
-        ``model.experts``) plus a part that scales with the tokens; a rank's time is the token part
-        times the busiest rank's factor ([Note: skewed cost] in k3sched/balance.py) plus
-        ``per_expert_us`` times its slots (:meth:`local_experts`). ``k3sched probe`` measures it from a second operator profile with
+        what a rank of ``ep`` ranks, holding ``experts / ep``, pays: at the same tokens an expert op
+        takes visibly less with half the experts, most of all expert.dw, so scaling the whole
+        profiled time by the tokens makes an EP plan's expert compute too long, hence its overlap
+        too high and its serial step too long. So a profile may give per expert kind
+        ``per_expert_us``: the profiled time is that much per expert (of ``model.experts``) plus a
+        part that scales with the tokens; a rank's time is the token part times the busiest rank's
+        factor ([Note: skewed cost] in k3sched/balance.py) plus ``per_expert_us`` times its slots
+        (:meth:`local_experts`). ``k3sched probe`` measures it from a second operator profile with
         the experts of one EP rank (``experts / ep``; half of them at ep 1): the line through the
-        two. 0 (no entry): the profiled time scales with the tokens alone, as before."""
+        two. 0 (no entry): the profiled time scales with the tokens alone."""
         return self.profile.per_expert_us.get(kind.value, 0.0) if kind in _EXPERT_KINDS else 0.0
 
     def at_local_experts(self, kind: Kind, profiled_us: float, token_scale: float = 1.0) -> float:

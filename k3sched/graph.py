@@ -48,8 +48,8 @@ _GRAD_KINDS = WGRAD_KINDS | {Kind.ROUTER_BWD}  # tasks that add to parameter gra
 # on the task of the same kind, layer and chunk that comes before it in the graph's order (the
 # backward order of the pipeline: micro-batches ascending on a vstage, slices in reverse): every
 # plan of a pipeline, serial or co-scheduled, exact or listed, adds in that one order. Without
-# it, the k3 plan of a probed CPU profile (tiny-cpu at hidden 128, offload all) ran embed.dw of
-# micro-batch 2 before that of micro-batch 1 and its step-1 loss differed from the serial run's.
+# it, a co-scheduled plan may run embed.dw of micro-batch 2 before that of micro-batch 1, and its
+# loss then differs from the serial run's.
 # These tasks share the compute lane, so the dependency costs the executor nothing: it only keeps
 # a schedule from reordering them.
 
@@ -135,10 +135,9 @@ def _fewest_first(w: list[float], parts: int, first_extra: float, last_extra: fl
 # backward: nothing is left to overlap it, and it ends the step. Among the splits with the same
 # largest vstage, the balanced split therefore gives the first vstage the fewest layers, but at
 # least one: an empty first vstage still takes its slots in the schedule and a P2P hop per
-# micro-batch, for the embedding alone (K2-long with [0, 2, ..., 2, 1]: 301.7 s, with [1, 2, ...,
-# 2, 1, 1]: 296.7 s). K2-like (61 layers, 32 vstages): [1, 2, ..., 2, 0] instead of one light
-# vstage in the middle, which takes one layer's reduction (~107 ms) off that tail: 6.743 ->
-# 6.667 s as shipped; DSv3-like 6.262 -> 6.205 s; K2-long 298.5 -> 296.7 s.
+# micro-batch, for the embedding alone, and plans a longer step than one layer there. Where the
+# layers do not divide evenly (K2-like: 61 layers over 32 vstages) the light vstage is the first
+# one, not one in the middle, which takes one layer's reduction off that tail.
 
 
 def _min_max_dp(w: list[float], parts: int, first_extra: float, last_extra: float,
@@ -700,8 +699,7 @@ class _Builder:
     # waits for the per-layer steps, so it stays the stage's last task. AdamW is elementwise per
     # parameter, so the steps compute what one step over all of them does (the runtime steps one
     # param group per layer, runtime/stage/optimizer.py; tests/test_layer_optim.py compares).
-    # K2-like, tuned knobs (README tune row): the middle stages' 44 ms optimizer tail shrinks to the
-    # last layer's ~11 ms.
+    # The optimizer tail after a stage's last backward is then the last layer's step alone.
 
     def mirror(self, s: int, deps: list[str], params: int) -> str:
         """Chimera / DualPipe: ``s{s}/step/grad.mirror``, the all-reduce of stage ``s``'s gradients

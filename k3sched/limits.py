@@ -9,14 +9,14 @@ one line naming the limit and how to change it:
   micro-batches x kinds, P2P boundaries, gradient buckets and offload copies, exactly as
   :mod:`k3sched.graph` builds them (the search graph, with an offload pair for every activation
   set when ``schedule.offload`` is not ``none``). More than ``schedule.max_tasks`` is refused
-  (ConfigError). The planner runs at about 15-20k tasks/s on one core.
+  (ConfigError): the planner's time grows with its tasks, so the limit bounds it.
 * the balanced layer split (``parallel.layer_split: balanced``) is a dynamic program of about
   chunks x layers^2 / 2 steps; more than :data:`MAX_SPLIT_STEPS` is refused (ConfigError).
 * :func:`memory_lower_bound`: per stage, bytes that every plan holds at some instant; a budget
   below it is refused with the planner's InfeasibleBudget ([Note: memory lower bound]), naming a
   lower bound of the smallest feasible budget. Small plans (:data:`EXACT_BUDGET_TASKS`) are left to
-  the planner, whose search then names the exact smallest feasible budget within about a second
-  (k2-like at 1 GiB: refused in 0.05 s here instead of the search's 27 s).
+  the planner, whose search then names the exact smallest feasible budget within about a second;
+  for a larger plan that search would take far longer than the bound, which refuses it at once.
 * one step's bytes must fit the int64 memory curves (:data:`MAX_STEP_BYTES`).
 """
 
@@ -34,15 +34,15 @@ from .seqslice import slice_bounds
 from .tasks import Kind
 
 MAX_SPLIT_STEPS = 1_000_000
-"""Largest balanced layer split taken on: chunks x layers^2 / 2 DP steps of about 1-2 µs each in
-Python (1M steps: 1-2.5 s here; 128 layers over 64 chunks or 200 over 32 fit, k2-like takes 59k)."""
+"""Largest balanced layer split taken on: chunks x layers^2 / 2 DP steps in Python, so the split
+stays within seconds (128 layers over 64 chunks or 200 over 32 fit, k2-like takes 59k)."""
 EXACT_SPLIT_STEPS = 200_000
 """Up to this many DP steps the memory bound computes the planner's own layer split (per-stage
 bound); beyond it the bound uses the mean over stages (no split needed)."""
 EXACT_BUDGET_TASKS = 1_000
 """A budget below the memory lower bound of a plan with at most this many tasks is left to the
-planner, whose search names the exact smallest feasible budget (one it planned) in about a second
-(about 1 ms per task); a larger plan is refused from the bound at once."""
+planner, whose search names the exact smallest feasible budget (one it planned) in about a second;
+a larger plan is refused from the bound at once."""
 MAX_STEP_BYTES = 1 << 62
 """One step's static plus activation bytes must stay below this (memory curves are int64)."""
 

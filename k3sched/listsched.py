@@ -46,11 +46,11 @@ class _Prepared:
 # [Note: receives in send order] NCCL pairs the k-th send from stage a to stage b with b's k-th
 # receive from a on their communicator, whatever the tag (k3sched/p2pcheck.py). A receive becomes
 # ready when its send ended, and the sends of one communicator leave one lane one at a time, so the
-# receives become ready in send order; but a busy receiving lane then picked among ready receives
-# by its own backbone slot, and where the sender ran two micro-batches' backwards out of slot
-# order (look-ahead while an all-to-all is in flight) the receives were posted in the other order:
-# K2-like at a 40 GiB budget was refused (grad 9->8, transfer #46: s9/mb31 sent before s9/mb30,
-# s8 posted mb30 first). So the receives of a communicator start in the order their sends started:
+# receives become ready in send order; but a busy receiving lane that picked among ready receives
+# by its own backbone slot would, where the sender runs two micro-batches' backwards out of slot
+# order (look-ahead while an all-to-all is in flight), post the receives in the other order, a
+# plan the P2P check refuses (e.g. s9 sends mb31's gradient before mb30's while s8 posts mb30's
+# receive first). So the receives of a communicator start in the order their sends started:
 # one that is ready before its turn is held until the receive before it started.
 _PIPE_RECV = RECV_KINDS & P2P_KINDS  # act.recv, grad.recv (not the remote-offload receives)
 
@@ -60,8 +60,8 @@ _MAX_SLOT = 1 << 30
 # gate, :class:`_SlotGate`) when it is backbone work: not WGrad, not the optimizer, and not
 # gshard.add, the host-shard accumulation of a flushed gradient (grad_offload). gshard.add waits on
 # its layer's DP reduce-scatter, a background collective that yields the NIC to every EP and P2P
-# transfer; as a main task it held every later slot of its rank until those buckets were through
-# (K2-like: 41-55 ms of compute idle, 8 times per rank, 4.5% of the step). Outside the gate it
+# transfer; as a main task it would hold every later slot of its rank until those buckets were
+# through, with the rank's compute idle meanwhile. Outside the gate it
 # still runs with its slot's priority (ahead of later slots) as soon as its reduction is done.
 _NOT_MAIN = frozenset({Kind.OPTIM, Kind.GSHARD_ADD})
 
@@ -175,23 +175,16 @@ DRAIN_BY_LAYER = True
 """[Note: the WGrad drain by layer] The WGrad tasks whose lagged slot lies past the stage's last
 backbone slot run in the drain, after every forward and backward of the stage; a layer's gradient
 reduction waits for the WGrad of every micro-batch of that layer. Taken by slot (micro-batch), the
-drain ran each micro-batch's WGrad over all layers before the next one's, so every layer's last
-WGrad came at the very end and its reduction was exposed, one layer after another. Taken by layer
+drain runs each micro-batch's WGrad over all layers before the next one's, so every layer's last
+WGrad comes at the very end and its reduction is exposed, one layer after another. Taken by layer
 (first the layers whose last drain WGrad has the earliest slot, then the highest layer: the
 backward reaches it first, and layer numbers are global, so this holds across a stage's virtual
 stages; then by slot), each layer's reduction starts as soon as its WGrad is done and runs beside
 the next layers' WGrad. Only for the loop-placed one-copy schedules (gpipe, 1f1b,
 interleaved-1f1b, zb-h1, zb-h2, pipedream-2bw): on the V-shaped and bidirectional ones (zb-v,
 dualpipev, dualpipe, chimera) the earlier reductions share the NIC with the cool-down's P2P
-transfers and K2-like's plans came out 0.1-0.7% longer, so they keep the order by slot. Serial
-plans keep the plain order.
-
-Planned step: the EP-bound testbed config of benchmarks/bench_overlap.py at comm:compute 0.5
-1462.2 -> 1442.9 ms (planned overlap 83% -> 88%), K2-like (interleaved) 6666.8 -> 6640.8 ms,
-tiny-cpu 253.22 -> 253.01 ms. Measured side by side on that testbed (k3 runs of 4 steps on one
-probe's numbers): at comm:compute 1, three pairs, 1775 -> 1715 ms mean (planned 1577 -> 1510),
-rank 0's overlap 62-65% -> 68-73%; at 0.5, two pairs, 1565 -> 1602 ms (planned 1347 -> 1323),
-overlap 71-72% -> 73-80%. A module flag so that tests can compare both orders."""
+transfers and make the plans longer, so they keep the order by slot. Serial plans keep the plain
+order. A module flag so that tests can compare both orders."""
 
 
 def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t: list[float],
@@ -262,9 +255,9 @@ class _SlotGate:
     [Note: backward look-ahead at look-ahead 0] With ``lookahead`` 0 (the leanest memory level, or
     as configured) a k3 plan still lets the slot after the first unfinished one start when it has
     no forward: a backward or WGrad slot frees activation memory rather than allocating it, and it
-    fills the compute lane while the current slot waits on an EP all-to-all or a neighbour. On
-    K2-like zb-h2 at 80 GiB (which only fits at look-ahead 0, WGrad lag 0) the step goes from 8.726
-    to 7.679 s. ``serial`` plans keep the strict order."""
+    fills the compute lane while the current slot waits on an EP all-to-all or a neighbour, which
+    matters most to plans that fit only at look-ahead 0 (K2-like zb-h2 at 80 GiB). ``serial`` plans
+    keep the strict order."""
 
     def __init__(self, prep: _Prepared, skip: frozenset[int], nstages: int, lookahead: int,
                  serial: bool = False) -> None:

@@ -7,8 +7,8 @@ model copies a rank holds, the config rules it needs (``parallel.vpp``, pipeline
 micro-batches), the bubble its source publishes, and, for a schedule the runtime does not
 execute, why. Config validation (``schedule.pipeline`` and its rules), the planner's backbone and
 stage placement, the memory bound, ``compare``, ``tune`` and ``k3sched run``'s refusal all derive
-from the entry, so adding a schedule is one generator, one entry here and its tests (README,
-"Adding a schedule, a lane or an offload policy"). Formulas use the terms of docs/design.md (F, B,
+from the entry, so adding a schedule is one generator, one entry here and its tests
+(docs/design.md, section 10). Formulas use the terms of docs/design.md (F, B,
 W, I = B - W per (virtual) stage, p ranks, m micro-batches); tests/test_schedules.py checks each
 against :func:`k3sched.schedules.simulate_uniform`.
 

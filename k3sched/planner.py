@@ -267,27 +267,22 @@ class _Search:
 # needs a transfer's result the schedule puts it right at the transfer's planned end, with other
 # work just long enough to cover the transfer. On the CPU runner a synchronising transfer ends
 # when the last rank has posted it, and the ranks drift (the replay of [Note: task-time spread] in
-# k3sched/variability.py; measured on the 2-core testbed: one rank's compute of a step up to 21%
-# above the other's), so the transfer ends late as often as not, and the compute that was placed
-# at its planned end waits. ``schedule.transfer_slack`` s orders the lanes as if every transfer's
+# k3sched/variability.py: one rank's compute of a step runs longer than another's), so the
+# transfer ends late as often as not, and the compute that was placed at its planned end waits.
+# ``schedule.transfer_slack`` s orders the lanes as if every transfer's
 # wait beside compute ([Note: a transfer beside compute]) were 1 + s times the modelled one: the
 # list scheduler then fills a longer margin after each transfer with other ready work, and the
 # plan keeps these orders with the modelled durations (:func:`k3sched.listsched._retime`: each
 # task as soon as its dependencies and the task before it on its resource allow, as the executor
 # runs them), so its times and step stay a prediction of the modelled machine. Whether a slack pays
-# is the expected step's call (the replay with the probed spread): on the EP-bound testbed config
-# of benchmarks/bench_overlap.py at comm:compute 0.5 (look-ahead 4, WGrad lag 8), slack 2 keeps the
-# planned step (1573 ms) and raises the expected overlap from 84.9 to 86.8% (expected step 1686 ->
-# 1676 ms); the PP-bound rows expect nothing from it. A larger slack also makes the plan's own
-# overlap more honest: it leaves margins the spread does not eat, so the planned overlap comes
-# closer to the expected one. With the probed operator profiles of two full benches (2026-12-04), the
-# expected step at comm:compute 0.5 picked slack 8 over the best of 0..3 (1678 vs 1699 ms and
-# 1788 vs 1805 ms expected), the planned overlap 3.1 and 3.6 points above the expected one where it
-# had been 5.9 and 5.4; at comm:compute 1 and 2 and on the PP-bound rows the pick did not change
-# (or moved within a slack of equal expected step). Measured there (6 + 6 runs alternated, README
-# "Slacks above 3"): overlap 87.7 against 86.6%, step x0.959, within one and two standard errors of
-# the runs' spread. ``k3sched tune`` searches :data:`k3sched.tune.TRANSFER_SLACKS`, the bench picks
-# among them with the look-ahead and WGrad lag. It acts only where the plan models that wait
+# is the expected step's call (the replay with the probed spread), not the planned step's: a slack
+# can leave the planned step as it is and still raise the expected overlap where transfers and
+# compute are close (EP-bound plans); where they are not (PP-bound plans) it changes nothing. A
+# larger slack also makes the plan's own overlap more honest: it leaves margins the spread does
+# not eat, so the planned overlap comes closer to the expected one. What the slacks give on the
+# shaped-link testbed is in docs/results.md. ``k3sched tune`` searches
+# :data:`k3sched.tune.TRANSFER_SLACKS`, the bench picks among them with the look-ahead and WGrad
+# lag. It acts only where the plan models that wait
 # (:meth:`k3sched.cost.CostModel.models_transfer_wait`): not on GPUs, not in a serial plan.
 
 
@@ -308,15 +303,12 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     (the lane's, gloo's) sleep between its messages and each wake-up waits for a core the compute
     thread holds, so a call takes ``hardware.comm_wait_us_per_call`` longer while compute runs
     beside it (``k3sched probe`` measures an all-to-all beside a GEMM loop against the same call
-    alone: 1.3-2.0 ms per call in eight probes on the 2-core testbed, a sixth to a quarter of an
-    8 ms all-to-all). Each transfer is lengthened by that times its calls or ring steps times the
-    share of its span the stage's compute overlaps in the last schedule; a serial plan has no
-    compute beside a transfer and keeps its durations. Without it the plan put just an
-    all-to-all's worth of compute beside each one and the run's compute waited for every late one:
-    on the EP-bound testbed config at comm:compute 0.5 (benchmarks/bench_overlap.py) rank 0's
-    compute waited 184 ms for the EP lane against 30 ms planned, overlap 63% against 83% planned,
-    k3 / serial 0.939 against 0.852 predicted; with it 105 ms against 40 ms, 72% against 83%, and
-    0.856 against 0.856 (one run each, the machine's noise is a few points)."""
+    alone; on a shared CPU that is a sizeable part of an all-to-all). Each transfer is lengthened by
+    that times its calls or ring steps times the share of its span the stage's compute overlaps in
+    the last schedule; a serial plan has no compute beside a transfer and keeps its durations.
+    Without it the plan puts just an all-to-all's worth of compute beside each one, and the run's
+    compute waits for every late one: far longer than planned, with an overlap and a gain over the
+    serial plan well below the planned ones."""
     ns = cost.comm_cpu_ns_per_byte()
     contend = cost.comm_costs_cpu()  # else only [Note: compute alone] acts
     dur = list(prep.dur)
@@ -363,16 +355,15 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
 def _compute_alone(dur: list[float], prep: _Prepared, comp: dict[int, list[int]], start_t, end_t,
                    factor: float) -> None:
     """[Note: compute alone] On the CPU runner the ranks of a host share its caches and memory
-    bandwidth besides its cores: the model's operators timed in one process ran 0.834x their time
-    with two processes timing them at once (``k3sched probe --config`` as benchmarks/bench_overlap.py
-    runs it, the 2-core testbed, 2026-12-03; 0.993 at the smaller shapes of tests/test_calibrate.py's
-    shaped-link test), and the operator profile is measured with every rank
+    bandwidth besides its cores: the model's operators timed in one process run faster than with
+    two processes timing them at once (``k3sched probe --config`` measures the factor; the smaller
+    the shapes, the closer it is to 1), and the operator profile is measured with every rank
     at once, as the ranks of an EP stage always compute. A pipeline stage of one rank computes alone
     in the other stages' bubbles and while they wait for it, and there it runs faster: each compute
     task is shortened by ``1 - factor`` (``hardware.compute_alone_factor``) of its duration times
-    the share of its span (in the last schedule) no other stage computes. Without it the PP 2 x EP 1
-    calibration target's compute ran 0.72-0.91 of planned in five bench runs while the source config
-    (EP 2) run after it ran 0.86-1.24 (benchmarks/bench_overlap.py, README). Changes ``dur`` in place."""
+    the share of its span (in the last schedule) no other stage computes. Without it a pipeline
+    config's compute runs well under its planned time while an EP config's on the same machine does
+    not. Changes ``dur`` in place."""
     ids = {s: [i for i in v if end_t[i] > start_t[i]] for s, v in comp.items()}
     ids = {s: v for s, v in ids.items() if v}
     shares = alone_shares({s: np.array([(start_t[i], end_t[i]) for i in v], dtype=float) for s, v in ids.items()})
@@ -381,7 +372,7 @@ def _compute_alone(dur: list[float], prep: _Prepared, comp: dict[int, list[int]]
             dur[i] -= prep.dur[i] * (1.0 - factor) * float(a)
 
 
-BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in all (about 1.5 s here)
+BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in all (a few seconds at most)
 
 
 def _bisection_plans(cfg: Config) -> int:
@@ -474,13 +465,12 @@ k3sched/limits.py) is first tried where it is hardest to miss (:func:`_lean_cann
 
 def _lean_cannot_fit(cfg: Config, search: _Search, budget: int, levels: list[tuple[int, int]]) -> bool:
     """[Note: fast infeasible budgets] Near the cheap memory bound a budget is often infeasible, and
-    the configured memory level's offload search would spend most of its attempts finding that out
-    (on K2-like: 7 of the 17 list schedules of a refusal). So, for a budget within
-    :data:`NEAR_BOUND` of the bound, one list schedule at the leanest level with every activation set
+    the configured memory level's offload search would spend many of its attempts finding that out.
+    So, for a budget within :data:`NEAR_BOUND` of the bound, one list schedule at the leanest level with every activation set
     offloaded comes first. If even that misses the budget, the planner goes straight to the
     leanest level's search, which decides feasibility as it does after the configured level fails;
     if that search plans after all, planning goes on as usual. A budget this check passes, or one
-    far above the bound, costs nothing more than before."""
+    far above the bound, costs nothing more than without the check."""
     if len(levels) < 2 or not search.all_sets:
         return False
     from .limits import memory_lower_bound

@@ -110,8 +110,8 @@ def dumps_json(doc: dict, indent: bool = False) -> bytes:
 def _gc_paused():
     """[Note: no GC while building outputs] The cyclic collector off while a document of
     hundreds of thousands of dicts is built: each collection of the older generations walks the
-    whole heap (the plan's tasks included) and finds nothing, the documents being trees; it
-    cost a third of the outputs' CPU on K2-like. Restored as it was after."""
+    whole heap (the plan's tasks included) and finds nothing, the documents being trees, so on a
+    large plan it takes a large share of the outputs' CPU. Restored as it was after."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -63,8 +63,7 @@ _VPP1 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 1)  # [Not
 _VPP2 = tuple(n for n, p in PIPELINE_TABLE.items() if p.config_vpp == 2)
 TRANSFER_SLACKS = (0, 1, 2, 3, 4, 6, 8)
 """The ``schedule.transfer_slack`` values tune and benchmarks/bench_overlap.py try ([Note: transfer
-slack] in k3sched/planner.py: on the bench's probed EP-bound rows at comm:compute 0.5 the expected
-step picked 8, the top of this range, where 0-3 were tried before)."""
+slack] in k3sched/planner.py): up to 8, since EP-bound rows can pick a slack well above 3."""
 _KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("parallel.seq_chunks", (1, 2, 4)),
     ("schedule.offload", ("none", "auto", "remote")),

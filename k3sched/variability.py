@@ -134,26 +134,16 @@ def _spread_tasks(tl: Sequence[Task], stages: Mapping[int, tuple[np.ndarray, np.
 
     Once a run's ranks drift apart, its transfers no longer land where the plan put them, and on
     a shared host a rank's compute also shares cores with the other ranks' transfer threads, so a
-    task the plan puts alone spreads too. On the EP-bound testbed config at comm:compute 0.5
-    (benchmarks/bench_overlap.py, AMD EPYC, 2 vCPUs, six k3 runs) the spread between the two ranks
-    of one task (std of the log ratio / sqrt 2) was 0.16-0.29 for the tasks the plan puts alone and
-    0.19-0.33 for those it puts beside a transfer, against 0.36 that the probe measured beside
-    all-to-alls. Spreading only the planned-beside share (the model before) expected a rank to
-    wait 148 ms a step for the other one and an overlap of 80%, against 172-528 ms and 65-80%
-    measured (each rank of each run, [Note: waiting for the last rank] in traces/validate.py);
-    spreading every task of the stage expects 325 ms and 74% (on the first run's probe numbers),
-    and a step of 3351 ms against medians of 3077-3464 ms measured (3175 before).
+    task the plan puts alone spreads about as much as one the plan puts beside a transfer.
+    Spreading only the planned-beside share would under-predict both the wait for the last rank
+    ([Note: waiting for the last rank] in traces/validate.py) and the lost overlap; so every
+    compute task of a stage with transfers is spread, with the kind's ``cv``.
 
-    A serial plan runs one task at a time on every rank, nothing beside its own transfers, and was
-    replayed exact until 2026-12-04; but its ranks share the host's cores with the other ranks'
-    transfers and with each other, and its tasks measured as spread as a co-scheduled run's: the
-    std / mean of each task over its 8 instances (2 ranks x steps 3-6, `--trace-steps`) was 0.09-0.47
-    in the serial target of the bench's calibration and 0.12-0.45 in its k3 source, the same run.
-    Replayed exact, the serial plan's expected step was its planned one, which the bench's serial
-    runs measured x1.04-1.11 (EP rows) and the calibration's serial target x1.04-1.09 in four runs;
-    with its tasks spread as the co-scheduled plan's, the same plans expect x1.00-1.05 and x1.00-1.05
-    (benchmarks/bench_overlap.py, AMD EPYC, 2 vCPUs): its all-to-alls wait for the later rank as a
-    co-scheduled plan's do."""
+    A serial plan runs one task at a time on every rank, nothing beside its own transfers, but its
+    ranks share the host's cores with the other ranks' transfers and with each other, so its tasks
+    spread as a co-scheduled run's do, and its all-to-alls wait for the later rank the same way.
+    Replayed exact, its expected step would be its planned one, below what its runs take; so it
+    is spread as a co-scheduled plan is. The figures behind this choice are in docs/results.md."""
     out: set[int] = set()
     for comm_i, comp_i in stages.values():
         if any(tl[i].duration_us > 0 for i in comm_i.tolist()):

@@ -31,8 +31,8 @@ def all_to_all_rows(out: Tensor, x: Tensor, send_splits: list[int], recv_splits:
     [Note: full-duplex all-to-all on gloo] gloo sends a message's bytes only once the peer has
     posted the matching receive, and its ``all_to_all`` posts each pair's send before its receive:
     the peer's "ready" note then queues behind this rank's whole payload in the pair's one TCP
-    connection, so the two directions take turns (measured on the shaped-link testbed at 50 MB/s:
-    27-30 MB/s per direction; receives first: 49-50 MB/s, as a full-duplex NIC gives). NCCL keeps
+    connection, so the two directions take turns, each at little more than half the link's rate;
+    with the receives posted first both directions run at once, as on a full-duplex NIC. NCCL keeps
     its own all-to-all. The result is the same tensor either way (each row block is copied as is)."""
     if dist.get_backend(group) != "gloo":
         dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),

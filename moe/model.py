@@ -15,8 +15,8 @@ inputs, not their outputs, and the dX task recomputes what is needed:
       output (the norm weight's WGrad input) and the scaled output (the following GEMM's WGrad
       input: wqkv, head) are recomputed at the end of the dX task from x and rstd.
 Same ops on the same operands: bitwise identical to storing (tests/test_quant_recompute.py). What
-a dX task leaves for the dW task is unchanged; what the forward keeps shrinks (tiny-cpu, bytes per
-micro-batch: attn 1.19 -> 0.80 MB, mlp 2.23 -> 1.18, shared 1.18 -> 0.66, expert 2.38 -> 1.33).
+a dX task leaves for the dW task is unchanged; what the forward keeps shrinks (runtime/measure.py
+measures it per op: [Note: measured saved bytes]).
 
 [Note: sequence slices in the model]
 A micro-batch cut into slices ([Note: sequence slices] in k3sched/seqslice.py) runs as one task

@@ -15,9 +15,9 @@ named ``<op>.<entry>``) gets a policy, declared here and not in the model code
 
 The table from a config (:meth:`PolicyTable.from_config`) has ``schedule.storage``'s rules, one
 per sub-op pattern, first; the default after them offloads everything with the plan and adds
-``fp8`` when ``schedule.act_quant`` is ``fp8``. Tensors are moved per *storage*: names that alias one storage (the moe README warns
-that e.g. ``shared`` and ``dispatch`` both keep xn) are copied once and come back as views of
-one restored storage, so aliasing survives the round trip.
+``fp8`` when ``schedule.act_quant`` is ``fp8``. Tensors are moved per *storage*: names that alias
+one storage (e.g. ``shared`` and ``dispatch`` both keep xn) are copied once and come back as views
+of one restored storage, so aliasing survives the round trip.
 
 Life of an offloaded set (one (micro-batch, layer)):
   act.offload / act.roffload  (plan: right after the layer's last forward task)

@@ -25,7 +25,7 @@ buffers are allocated) + the host gradient shards; on GPU the same restricted to
 
 Allocated. On GPU, ``torch.cuda.memory_allocated``: every live tensor on the device, whoever
 allocated it; not the caching allocator's free blocks, NCCL's own buffers or the CUDA context.
-On CPU, glibc's ``mallinfo2()`` (read through ctypes, about 5 µs a call, so every sample takes
+On CPU, glibc's ``mallinfo2()`` (read through ctypes, cheap enough that every sample takes
 it): ``uordblks`` (bytes in use in every arena's heap) + ``hblkhd`` (bytes in mmapped chunks).
 torch's CPU allocator takes every tensor from malloc (``posix_memalign``; large ones are mmapped
 chunks), so this counts every live tensor of the process: the tracked ones, a handler's stash,

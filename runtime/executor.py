@@ -353,7 +353,8 @@ class Executor:
     @contextlib.contextmanager
     def _lane(self, lane: str, task: PlanTask, st: _StepState) -> Iterator[None]:
         """Enter ``lane`` for ``task``: wait on its input events, open its NVTX range, time it,
-        record its done event (STYLE.md point 4)."""
+        record its done event: every task enters its lane here, so they are kept in one place
+        (docs/design.md, section 1, rules 1 and 2)."""
         for d in task.start_deps:
             self._wait(st, task, d, st.started, "start")
         for d in self._deps[task.id]:

@@ -33,8 +33,8 @@ OFFLOAD_DEBUG_ENV = "K3SCHED_OFFLOAD_DEBUG"
 OFFLOAD_DELAY_ENV = "K3SCHED_OFFLOAD_DELAY_S"
 UNSAFE_SHARED_DX_ENV = "K3SCHED_UNSAFE_SHARED_DX"
 """Test-only: ``1`` makes shared.dx add into the layer's one ``xn`` gradient buffer, beside
-dispatch.bwd on the ep lane, as before [Note: partial input gradients] (the race detector's
-regression test)."""
+dispatch.bwd on the ep lane, the race [Note: partial input gradients] prevents (the race
+detector's regression test)."""
 DETERMINISTIC_ENV = "K3SCHED_DETERMINISTIC"
 FAIL_RANK_ENV = "K3SCHED_FAIL_RANK"
 FAIL_TASK_ENV = "K3SCHED_FAIL_TASK"

@@ -28,21 +28,21 @@ carries the same classes chosen by source address, so a rank's receive rate is i
 (full duplex). On both, small TCP packets (IP total length < 128 bytes: pure ACKs, short
 control messages) skip the shaping: a u32 filter at a higher priority than the address filters
 sends them to the unshaped class 1:40, which HTB serves before the data classes. Without it the
-ACKs of the reverse flow queued behind shaped data, and two TCP connections sending opposite
-ways at once got 18.4-20.1 of 20 MB/s each (now 20.13-20.15, as one-way). A segment with at
+ACKs of the reverse flow queue behind shaped data, and two TCP connections sending opposite ways
+at once each get less than the rate; with it each gets the one-way rate. A segment with at
 most 76 bytes of payload thus bypasses the rate. Rates are TCP payload rates: the HTB rate is
 raised by the frame overhead at MTU 1500 (1514 / 1448 bytes per segment: Ethernet header, IP and
 TCP headers with timestamps). Burst: ``max(256 KiB, 250 µs at the rate)``. GB/s means 1e9
-bytes/s, one direction, as in the config. A rate above what the machine can move (2 GB/s on 2
-cores) is effectively unshaped.
+bytes/s, one direction, as in the config. A rate above what the machine's cores can move is
+effectively unshaped.
 
 gloo and full duplex: when both ranks of a pair post ``isend`` before ``irecv``
 (``batch_isend_irecv([isend, irecv])``; gloo's all_to_all behaves alike) the two directions take
 turns. gloo sends a payload only after the peer's recv-ready notice, and a rank whose isend
 already has that notice writes its payload into the pair's single TCP stream and then its own
-irecv's notice behind it, so the peer can start its payload only when this one has arrived.
-Measured at 50 MB/s on 2 ranks: 27-30 MB/s per direction with isend first, 49-50 with irecv
-first, on the same shaping. That is gloo's protocol, not the shaping, and it would happen on any
+irecv's notice behind it, so the peer can start its payload only when this one has arrived:
+with isend first each direction gets little more than half the rate, with irecv first each gets
+all of it, on the same shaping. That is gloo's protocol, not the shaping, and it would happen on any
 rate-limited wire; post the irecv first to get both directions at once.
 
 Not emulated: link latency (``*_latency_us``): this kernel has no ``sch_netem`` and none of the

@@ -551,9 +551,8 @@ def _steps_trace(ex, records: list, rank: int, out: Path, device, predicted_us: 
     clock aligned so the earliest task of any rank in the first of them starts at 0; the same
     format as trace_rank{R}.json without the memory counters (``otherData.steps``: the steps).
     trace_rank{R}.json holds the last step only, while the summary's measured step is the median of
-    the steps after the warm-up: on the shaped-link testbed one run's steady steps took 2.01, 2.11,
-    1.77 and 1.88 s, so a profile fitted from the last alone costs the ops of a step 6.5% faster
-    than the one measured. ``k3sched calibrate`` on this file drops each task's first instance as
+    the steps after the warm-up, and steady steps differ from one to the next by several percent,
+    so a profile fitted from the last alone costs the ops of another step than the one measured. ``k3sched calibrate`` on this file drops each task's first instance as
     warm-up (as for an nsys trace of a whole run) and fits the rest: exactly the steps the measured
     step is the median of (runtime/transfer.py uses it)."""
     t0 = _first_start_us(records[0], device)

@@ -123,23 +123,23 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     source run, one row per target, the residual against the expected step with the fitted spread
     or None).
 
-    [Note: interleaved repeats] A run of a minute on these machines is sometimes slowed by a
-    quarter while the runs beside it are not (a target's operators at x1.25-1.27 of planned, the
-    source runs just before and after it at x1.09: README, the second full bench of c4e77b6). With
-    ``repeats`` R > 1 each target's runs are spread over the whole check, one per round, and its
-    measured step is their median (its compute ratios the medians of its runs', its source
-    runs beside the median of the rounds'): a slowdown that hits one run of three moves nothing.
+    [Note: interleaved repeats] A run of a minute on a shared machine is sometimes slowed as a whole
+    while the runs just before and after it are not, so one run per target can put a slowdown of
+    the machine into a target's figure. With ``repeats`` R > 1 each target's runs are spread over
+    the whole check, one per round, and its measured step is their median (its compute ratios the
+    medians of its runs', its source runs beside the median of the rounds'): a slowdown that hits
+    one run of three moves nothing.
     The profile is still fitted from the source's one first run; only the measurement of the
     targets is repeated.
 
-    [Note: bracketed transfer] The shared 2-core machines change speed by up to 25% within minutes
-    (the same run measured 4.72 s, then 3.77 s), so a target's measured / predicted carries how far
-    the machine moved since the source was measured. Runs of the source just before and just after
-    a target measure the machine of that moment: the target's step over their mean, against its
-    predicted step over the source's, is the profile's prediction of the target *relative to the
-    source* with a linear drift across the three runs cancelled. It is a second figure beside the
-    absolute one (measured / predicted), never a replacement: what it does not show is whether the
-    profile predicts absolute time on a machine of the source's speed."""
+    [Note: bracketed transfer] A shared machine changes speed within minutes (the same run can
+    take markedly longer or shorter than a few minutes before), so a target's measured / predicted
+    carries how far the machine moved after the source was measured. Runs of the source just before
+    and just after a target measure the machine of that moment: the target's step over their mean,
+    against its predicted step over the source's, is the profile's prediction of the target
+    *relative to the source* with a linear drift across the three runs cancelled. It is a second
+    figure beside the absolute one (measured / predicted), never a replacement: what it does not
+    show is whether the profile predicts absolute time on a machine of the source's speed."""
     from traces.calibrate import calibrate_files
     from k3sched.config import load_config
     from k3sched.planner import plan

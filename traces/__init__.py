@@ -1,4 +1,4 @@
-"""Trace reading and plan-conformance validation (DESIGN.md section 3, docs/formats.md).
+"""Trace reading and plan-conformance validation (docs/design.md, section 6; docs/formats.md).
 
 Layers (Holistic-Trace-Analysis style): readers turn one file into one ``EventTable``
 (``traces.events``, see [Note: event table]); ``traces.validate`` joins the table to a plan by

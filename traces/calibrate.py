@@ -47,13 +47,12 @@ benchmarks/bench_overlap.py).
 
 [Note: mean, not median] A step is a sum of task durations along its paths, and the expected
 value of a sum is the sum of the means. On a shared CPU a kind's costs are skewed to the right
-(an op that a transfer's wake-ups or another process preempted runs 2-3x its usual time), so
-their median sits below their mean and a profile of medians predicts every step short, its own
-source run included. On the shaped-link testbed (bench_overlap's EP-bound source, three runs)
-medians left the source run +8.8 to +10.7% slower than its re-plan and got 9 of 12 target
-predictions within 10%; means +5.9 to +7.7% and 10 of 12. The cost of a mean: one outlier moves
-its kind (a 100 ms stall among 96 samples of 10 ms adds 10%), which is also what such a stall does
-to the steps it falls in; the first step (warm-up) is dropped before either.
+(an op that a transfer's wake-ups or another process preempted runs several times its usual
+time), so their median sits below their mean and a profile of medians predicts every step short,
+its own source run included; a profile of means follows both the source run and the targets
+closer. The cost of a mean: one outlier moves its kind (a 100 ms stall among 96 samples of 10 ms
+adds 10%), which is also what such a stall does to the steps it falls in; the first step
+(warm-up) is dropped before either.
 
 Calibration lives in ``traces`` because it reads traces and writes what the planner reads: it
 imports the cost model, the config and the planner from ``k3sched``, and nothing in ``k3sched``
@@ -349,24 +348,21 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
     compute instances' bases together are no less than their floors together: (sum of spans - sum
     of floors) / sum of overlapped bytes (for a fixed slope the best base of a kind is its mean
     residual); together, not per kind: an expert op's work depends on the routing of the moment;
-    over the kinds that have a floor (``optim.run``, in no operator profile, has none: before
-    2026-12-03 it switched the bound off).
+    over the kinds that have a floor (``optim.run``, in no operator profile, has none and is left out
+    of both sums, so it does not switch the bound off).
 
     ``known_ns``: the cost per byte the source plan already has (``hardware.comm_cpu_ns_per_byte``,
     which ``k3sched probe`` measures in the testbed as what concurrent all-to-alls cost a GEMM loop,
     or a profile's): the least slope, also against the floor. The model's ops are shorter and many,
-    with Python between them, and lose more to a transfer's threads than the probe's GEMM: on the
-    2-core testbed the EP-bound source's compute ran 1.19x the operator profile beside all-to-alls,
-    the same ops 0.88x in the serial target and 1.03x at half the link rate (half the bytes per
-    second: what a cost per byte predicts), while the probe's 0.66 ns per byte accounts for a tenth
-    of the difference.
+    with Python between them, and lose more to a transfer's threads than the probe's GEMM, so the
+    probe's cost per byte alone explains only part of how much slower they run beside transfers;
+    the run's own regression carries the rest.
 
-    What each choice gave on four bench runs' source traces (benchmarks/bench_overlap.py; each
-    target's measured step over its expected step, re-planned with the profile the choice fits;
-    targets within 10% of four): the probe's slope kept (the fit until 2026-12-03) 3, 1, -, 4
-    (serial 0.83-0.95, PP 2 x EP 1 0.87-0.92); the regression alone 4, 3, 3, 2 (13.3 ns in the
-    fourth: PP 2 x EP 1 at 1.38); the regression bounded by the floors and raised to the probe's,
-    as here, 4, 3, 2, 4 (3.3, 5.9, 2.1 and the probe's 2.0 ns; 0.88-1.17 in all)."""
+    Of the three choices (how the re-planned targets' steps follow each is in docs/results.md),
+    the probe's slope alone predicts targets with fewer transferred bytes too slow; the regression
+    alone can charge transfers with stalls they did not cause and predict a target with fewer
+    transferred bytes too fast; the regression bounded by the floors and raised to the probe's, as
+    here, keeps both errors small."""
     import numpy as np
 
     comm: dict[tuple[int, int], list[tuple[float, float, float, float]]] = defaultdict(list)

@@ -17,7 +17,7 @@ of the config's ``hardware`` section (:class:`k3sched.config.HardwareConfig`, un
   FLOPs by, so ``mfu: 1.0`` keeps the measured rate as is.
 - ``launch_us``: the fixed per-task overhead the cost model adds to every task: one tiny (8 x 8)
   matmul call plus the executor's own cost per task (``runtime.executor.Executor`` with no-op
-  handlers running stage 0 of the tiny EP 2 plan; ~13 µs here).
+  handlers running stage 0 of the tiny EP 2 plan).
 - ``hbm_gbps``: ``dst.copy_(src)`` of a large buffer, counting bytes read + written (2 x size) as
   the cost model counts memory traffic (``gshard.add`` moves 3 x size: two reads, one write); an
   in-place add (3 x size) is shown as a cross-check.

@@ -209,7 +209,7 @@ IDLE_CALLS = 15
 against which its time beside the GEMM loop gives ``comm_wait_us_per_call`` (:func:`comm_wait_fit`)."""
 CHUNK_S = 0.005
 """Length of the GEMM-loop pieces whose spread the contended measurement also reports: about a
-compute task of the testbed's models (2-12 ms)."""
+compute task of the testbed's models."""
 
 
 def _worker_contended(group, ranks: list[int], rank: int, sizes: Sequence[int], window_s: float, reps: int,

@@ -135,7 +135,7 @@ class Knobs:
     coll_min_s: float = 0.005
     contended_s: float = 0.5  # GEMM loop per sample of the contended measurement (CPU; quick too)
     contended_reps: int = 7  # samples per size of it: the per-byte part rests on the largest size's
-    # few calls a loop (about 50 at 1 MiB on a 50 MB/s link), whose median over 3 moved 1.5 -> 0.2 ns/B
+    # few calls a loop (about 50 at 1 MiB on a 50 MB/s link), too few for a median of 3 to be stable
 
     @classmethod
     def of(cls, quick: bool) -> Knobs:
@@ -354,8 +354,8 @@ def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
     of the config's model at its shapes: an in-process step of the same model with pp = ep = dp = 1
     (no communication, no other rank), run serially, steps after the first. The cost model's
     FLOP count covers GEMMs only; norms, softmax, routing (top-k, sorting, index ops) and autograd
-    bookkeeping are what make a CPU task cost 2-20x its GEMM time, and they are measured here, not
-    guessed. The EP kinds at ep 1 move nothing: their time is the host-side work of a dispatch or
+    bookkeeping are what make a CPU task cost several times its GEMM time, and they are measured
+    here, not guessed. The EP kinds at ep 1 move nothing: their time is the host-side work of a dispatch or
     combine (routing bookkeeping, permutes), the profile's ``overhead_us``. Not measured: anything of the target layout (ranks, links); that is what
     ``k3sched calibrate`` fits from a run. Where torch sees a GPU the step runs on ``cuda:0``, the
     lanes on their streams, each task timed by its CUDA events, as the ranks of a GPU run do (on

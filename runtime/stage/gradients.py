@@ -24,11 +24,10 @@ mirror images of each other, so per-layer reductions would have to be issued in 
 across them; one call has no order to agree on (runtime/groups.py checks it at start-up anyway).
 Its start is planned from the rank's own work: the partner's is about as late, as Chimera's and
 DualPipe's orders are symmetric between ranks r and pp-1-r. The price: the reduction starts after all
-of the rank's gradient work, so nothing of the rank's step hides it (K2-like dualpipe: 19.5 GiB
-per rank, 0.47 s on the NIC, the planned step 7.20 s -> 7.63 s). Per-layer reductions, each once
-the layer's gradients are complete, in one order on both ranks, hide little of it: planned that way,
-the same step is 7.60 s (DSv3-like 6.56 -> 6.50 s), because the bottom layers' gradients complete
-at the end of the backward and the optimizer waits for their reduction; they were not adopted. Not combined with
+of the rank's gradient work, so nothing of the rank's step hides it. Per-layer reductions, each once
+the layer's gradients are complete, in one order on both ranks, would hide little of it, because the
+bottom layers' gradients complete at the end of the backward and the optimizer waits for their
+reduction; so the one call is kept. Not combined with
 ``schedule.grad_offload`` (the layers' gradients then live in host shards; ``k3sched run`` refuses
 it in one line).
 """
