@@ -123,6 +123,7 @@ class TaskCount:
     grads: int
     """Gradient reduction buckets and gradient-shard copies."""
     optim: int
+    """Optimizer steps: one per stage and planned step, and one per layer with ``schedule.layer_optim``."""
     buckets_per_layer: int
 
     @property
@@ -156,7 +157,8 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     O(pp x vpp) time."""
     cost = cost or CostModel(cfg)
     m, p, s = cfg.model, cfg.parallel, cfg.schedule
-    M = p.microbatches * PIPELINE_TABLE[s.pipeline].steps  # pipedream-2bw plans two steps
+    steps = PIPELINE_TABLE[s.pipeline].steps  # pipedream-2bw plans two steps
+    M = p.microbatches * steps
     moe = m.layers - m.dense_layers
     dense = m.dense_layers
     per_moe = len(layer_steps(True, s.dispatch_recompute))  # the rows of the step table ([Note: step table])
@@ -178,10 +180,11 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     if s.grad_offload:  # per copy of a layer: its micro-batches in groups of pp
         groups = copies * -(-(M // copies) // max(1, p.pp))
         grads = groups * (moe * (b_moe + 3) + dense * (b_dense + 3))
-    else:
-        grads = copies * (moe * b_moe + dense * b_dense)
+    else:  # per step; with schedule.layer_optim one optim.run per layer ([Note: per-layer optimizer])
+        grads = steps * copies * (moe * b_moe + dense * b_dense)
+    layer_optim = steps * copies * m.layers if s.layer_optim and not s.grad_offload else 0
     mirror = p.pp if copies == 2 else 0  # grad.mirror ([Note: replica gradient reduction] in runtime/stage/gradients.py)
-    return TaskCount(layers, offload, edges, grads + mirror, p.pp, max(b_moe, b_dense))
+    return TaskCount(layers, offload, edges, grads + mirror, steps * p.pp + layer_optim, max(b_moe, b_dense))
 
 
 @dataclass
