@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from k3sched.steptable import CHUNK_FIRST, CHUNK_LAST, data_deps, layer_steps
+from k3sched.steptable import CHUNK_FIRST, CHUNK_LAST, STEPS, data_deps, layer_steps
 from k3sched.tasks import Kind
 from moe.comm import ProcessGroup
 from moe.config import MoEModelArgs
@@ -46,8 +46,7 @@ Across layers: attn.fwd(l) needs ``LAYER_OUT`` of layer l-1 (embed.fwd for l = 0
 layer l's backward (combine.bwd, shared.dx, dispatch.re / mlp.dx) need attn.dx (l+1) (head.dx for
 the last layer); embed.dw needs attn.dx (0)."""
 
-LAYER_KINDS: frozenset[Kind] = frozenset(k for k in Kind if k.op in {"attn", "router", "dispatch", "shared",
-                                                                      "expert", "combine", "mlp"})
+LAYER_KINDS: frozenset[Kind] = frozenset(r.kind for r in STEPS)
 MICROBATCH_KINDS: frozenset[Kind] = frozenset(CHUNK_FIRST + CHUNK_LAST)
 
 
