@@ -79,10 +79,9 @@ def _fewest_first(w: list[float], parts: int, first_extra: float, last_extra: fl
 # backward: nothing is left to overlap it, and it ends the step. Among the splits with the same
 # largest vstage, the balanced split therefore gives the first vstage the fewest layers, but at
 # least one: an empty first vstage still takes its slots in the schedule and a P2P hop per
-# micro-batch, for the embedding alone (K2-long with [0, 2, ..., 2, 1]: 301.7 s, with [1, 2, ...,
-# 2, 1, 1]: 296.7 s). K2-like (61 layers, 32 vstages): [1, 2, ..., 2, 0] instead of one light
-# vstage in the middle, which takes one layer's reduction (~107 ms) off that tail: 6.743 ->
-# 6.667 s as shipped; DSv3-like 6.262 -> 6.205 s; K2-long 298.5 -> 296.7 s.
+# micro-batch, for the embedding alone, and plans a longer step than one layer there. Where the
+# layers do not divide evenly (K2-like: 61 layers over 32 vstages) the light vstage is the first
+# one, not one in the middle, which takes one layer's reduction off that tail.
 
 
 def _min_max_dp(w: list[float], parts: int, first_extra: float, last_extra: float,
