@@ -14,8 +14,9 @@ Backward (I):  up -> combine.bwd (ep) -> expert.dx -> dispatch.bwd (ep) -> route
                  \\-> shared.dx ------------------------------------------/
                optional dispatch.re (ep, from `up`) re-runs the dispatch for expert.dw (EP-DR)
 Backward (W):  attn.dw <- attn.dx, shared.dw <- shared.dx, expert.dw <- expert.dx (+ dispatch.re)
-These are the data dependencies of the ``moe`` sub-ops (``moe.INTRA_LAYER_DEPS``), which the
-runtime executes as planned. shared.dx (compute lane) and dispatch.bwd (ep lane) stay unordered so
+These tasks, their edges and memory effects are the rows of the step table ([Note: step table] in
+k3sched/steptable.py), from which the builder makes them and which ``moe`` and the runtime read
+too. shared.dx (compute lane) and dispatch.bwd (ep lane) stay unordered so
 they overlap: each writes its own partial gradient of the FFN input, and router.bwd, which waits for
 both, sums them ([Note: partial input gradients] in moe/context.py); ``k3sched run --racecheck``
 checks that no two unordered tasks touch one tensor ([Note: race detector] in runtime/racecheck.py).
@@ -31,9 +32,11 @@ from dataclasses import dataclass, field, replace
 
 from .config import Config, ConfigError
 from .cost import CostModel
+from .layersplit import _min_max_split, layers_by_vstage, split_layers  # noqa: F401 - graph's API too
 from .pipelines import TABLE as PIPELINE_TABLE
 from .schedules import Placement
 from .seqslice import slice_bounds, unit_of
+from .steptable import LAYER_IN_GRAD, LAYER_OUT, layer_steps
 from .tasks import LANE_OF, WGRAD_KINDS, Kind, Mem, Task, format_task_id, parse_task_id
 
 Unit = tuple[int, str, int]  # (vstage, "F" | "I" | "W", mb)
@@ -62,129 +65,6 @@ def placement_for(cfg: Config) -> Placement:
     if entry.copies == 2:
         return Placement("v", cfg.parallel.pp, 2)
     return Placement(entry.placement, cfg.parallel.pp, cfg.parallel.vpp)
-
-
-def split_layers(cfg: Config) -> list[list[int]]:
-    """Layers of each virtual stage for ``parallel.layer_split``: ``even`` (as even as possible,
-    earlier vstages get the extra layer) or ``balanced`` (contiguous split minimising the largest
-    vstage compute time, counting the embedding on the first and the output head on the last
-    vstage, which may then hold no layer at all -- the way 61-layer models leave room for the head),
-    or ``profile`` (the same, by the measured times of ``schedule.profile``, [Note: profile split] in
-    k3sched/rebalance.py); ``parallel.stage_layers``, when set, gives the counts outright."""
-    nv = cfg.parallel.pp * cfg.parallel.vpp
-    if cfg.parallel.stage_layers is not None:
-        out, start = [], 0
-        for n in cfg.parallel.stage_layers:
-            out.append(list(range(start, start + n)))
-            start += n
-        return out
-    if cfg.parallel.layer_split == "even":
-        return layers_by_vstage(cfg.model.layers, nv)
-    if cfg.parallel.layer_split == "profile":
-        from .rebalance import profile_split, times_from_profile
-
-        return profile_split(times_from_profile(cfg), nv)
-    key = cfg.model_dump_json()  # a pure function of the config: one plan asks three times
-    if key not in _BALANCED:
-        cost = CostModel(cfg)
-        fwd = {False: (Kind.ATTN_FWD, Kind.MLP_FWD),
-               True: (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.EXPERT_FWD)}
-        w = [sum(3 * cost.flops(k) for k in fwd[cfg.model.is_moe(L)]) for L in range(cfg.model.layers)]
-        head = sum(cost.flops(k) for k in (Kind.HEAD_FWD, Kind.HEAD_DX, Kind.HEAD_DW))
-        embed = sum(cost.flops(k) for k in (Kind.EMBED_FWD, Kind.EMBED_DW))
-        if len(_BALANCED) >= 32:
-            _BALANCED.clear()
-        _BALANCED[key] = _min_max_split(w, nv, first_extra=embed, last_extra=head)
-    return [list(g) for g in _BALANCED[key]]
-
-
-_BALANCED: dict[str, list[list[int]]] = {}
-"""Balanced splits by config (its JSON): the limits, the graph and the memory bound each need it."""
-
-
-def _min_max_split(w: list[float], parts: int, first_extra: float, last_extra: float) -> list[list[int]]:
-    """Contiguous split of items ``w`` into ``parts`` groups minimising the largest group weight
-    (group 0 also carries ``first_extra``, the last group ``last_extra``); among those, the one
-    whose group 0 holds the fewest items but at least one, unless the plain DP leaves it empty
-    ([Note: a light first vstage]). Inner groups hold at least one item; the first and last may be
-    empty. DP over (group, prefix), O(parts * n^2), at most three passes."""
-    optimum, split = _min_max_dp(w, parts, first_extra, last_extra, None)
-    if parts == 1 or len(split[0]) <= 1:
-        return split
-    first = _fewest_first(w, parts, first_extra, last_extra, optimum + 1e-9 * max(1.0, abs(optimum)))
-    return _min_max_dp(w, parts, first_extra, last_extra, first)[1] if first < len(split[0]) else split
-
-
-def _fewest_first(w: list[float], parts: int, first_extra: float, last_extra: float, limit: float) -> int:
-    """The fewest items (at least one) group 0 can hold when no group may weigh over ``limit``:
-    which suffixes ``items[j:]`` split into groups g..parts-1 within it, from the last group back
-    (one DP pass of the same size)."""
-    n = len(w)
-    pre = [0.0]
-    for x in w:
-        pre.append(pre[-1] + x)
-    ok = [last_extra + pre[n] - pre[j] <= limit for j in range(n + 1)]  # the last group, maybe empty
-    for _ in range(parts - 2, 0, -1):  # inner groups: items[j:i], i > j
-        ok = [any(ok[i] for i in range(j + 1, n + 1) if pre[i] - pre[j] <= limit) for j in range(n + 1)]
-    return next(i for i in range(1, n + 1) if first_extra + pre[i] <= limit and ok[i])
-
-
-# [Note: a light first vstage]
-# The first vstage (layer 0, the embedding) is the last one the backward reaches, so the reduction
-# of its layers' gradients (and of the embedding's) runs after every other stage has finished its
-# backward: nothing is left to overlap it, and it ends the step. Among the splits with the same
-# largest vstage, the balanced split therefore gives the first vstage the fewest layers, but at
-# least one: an empty first vstage still takes its slots in the schedule and a P2P hop per
-# micro-batch, for the embedding alone, and plans a longer step than one layer there. Where the
-# layers do not divide evenly (K2-like: 61 layers over 32 vstages) the light vstage is the first
-# one, not one in the middle, which takes one layer's reduction off that tail.
-
-
-def _min_max_dp(w: list[float], parts: int, first_extra: float, last_extra: float,
-                first: int | None) -> tuple[float, list[list[int]]]:
-    """(largest group weight, split) of :func:`_min_max_split`'s DP; ``first``: group 0 holds
-    exactly that many items (None: any number)."""
-    n = len(w)
-    pre = [0.0]
-    for x in w:
-        pre.append(pre[-1] + x)
-    inf = float("inf")
-    # best[g][i]: smallest max weight splitting items[:i] into groups 0..g; arg for reconstruction
-    best = [[inf] * (n + 1) for _ in range(parts)]
-    arg = [[0] * (n + 1) for _ in range(parts)]
-    for i in (range(n + 1) if first is None else [first]):
-        best[0][i] = first_extra + pre[i]
-    if parts == 1:
-        return best[0][n], [list(range(n))]
-    for g in range(1, parts):
-        last = g == parts - 1
-        extra = last_extra if last else 0.0
-        for i in ([n] if last else range(n + 1)):
-            for j in range(i + 1 if last else i):  # group g = items[j:i]; only the last may be empty
-                cand = max(best[g - 1][j], extra + pre[i] - pre[j])
-                if cand < best[g][i] - 1e-9:
-                    best[g][i], arg[g][i] = cand, j
-    if best[parts - 1][n] == inf:
-        return inf, []
-    out: list[list[int]] = []
-    i = n
-    for g in range(parts - 1, 0, -1):
-        j = arg[g][i]
-        out.append(list(range(j, i)))
-        i = j
-    out.append(list(range(0, i)))
-    return best[parts - 1][n], out[::-1]
-
-
-def layers_by_vstage(n_layers: int, n_vstages: int) -> list[list[int]]:
-    """Contiguous, as even as possible; earlier vstages get the extra layer."""
-    base, extra = divmod(n_layers, n_vstages)
-    out, start = [], 0
-    for v in range(n_vstages):
-        n = base + (1 if v < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
 
 
 @dataclass
@@ -257,6 +137,13 @@ class _Builder:
         self._bounds = slice_bounds(cfg)
         self._slices = [self._slice_state(self.cost.sliced(*b)) for b in self._bounds] if self.S > 1 else []
         self._pending_offload: dict[tuple[int, int, int], tuple] = {}
+        dr = cfg.schedule.dispatch_recompute  # the layer rows of the step table ([Note: step table])
+        rows = {moe: layer_steps(moe, dr) for moe in (True, False)}
+        # (row, its planned edges to kinds the layer has) by (MoE layer, forward)
+        self._rows = {(moe, fwd): tuple((r, tuple(k for k in r.deps if k in {q.kind for q in rows[moe]}))
+                                        for r in rows[moe] if (r.unit == "F") == fwd)
+                      for moe in (True, False) for fwd in (True, False)}
+        self._first_bwd = {moe: next(r.kind for r in rows[moe] if r.unit == "I" and r.entry) for moe in (True, False)}
 
     # -- helpers -------------------------------------------------------------------------------
     def route(self, m: int) -> range:
@@ -419,7 +306,7 @@ class _Builder:
                 self._backward(v, m)
 
     def _forward(self, v: int, m: int) -> None:
-        pl, model = self.pl, self.cfg.model
+        model = self.cfg.model
         stage = self._rank[v]
         mk, j = self._mk(m), self._j
         if self.is_first(v):
@@ -433,28 +320,11 @@ class _Builder:
         for L in self.layers[v]:
             # causal attention: slice j reads the keys and values of slice j-1 (and so of every earlier one)
             kv = [format_task_id(stage, Kind.ATTN_FWD, mb=m, layer=L, slice=j - 1)] if j else []
-            a = self.add(Kind.ATTN_FWD, v, "F", m, layer=L, deps=prev + kv, alloc=self.fwd_alloc(Kind.ATTN_FWD))
-            pending = self._pending_offload.pop((stage, m, L), None)
-            if pending is not None:  # slice j-1's set leaves once this attention has read its keys / values
-                with self._at_slice(j - 1):
-                    self._offload_set(v, m, L, pending[0], pending[1] + [a])
-            if model.is_moe(L):
-                r = self.add(Kind.ROUTER_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.ROUTER_FWD))
-                d = self.add(Kind.DISPATCH_FWD, v, "F", m, layer=L, deps=[r],
-                             nbytes=self.a2a_bytes(Kind.DISPATCH_FWD),
-                             alloc=self.fwd_alloc(Kind.DISPATCH_FWD), duration=self.dur(Kind.DISPATCH_FWD))
-                e = self.add(Kind.EXPERT_FWD, v, "F", m, layer=L, deps=[d], alloc=self.fwd_alloc(Kind.EXPERT_FWD))
-                sh = self.add(Kind.SHARED_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.SHARED_FWD))
-                # combine adds the shared expert's output into the layer output it returns
-                c = self.add(Kind.COMBINE_FWD, v, "F", m, layer=L, deps=[e, sh],
-                             nbytes=self.a2a_bytes(Kind.COMBINE_FWD),
-                             alloc=self.fwd_alloc(Kind.COMBINE_FWD), duration=self.dur(Kind.COMBINE_FWD))
-                prev = [c, sh]
-                kinds = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD,
-                         Kind.COMBINE_FWD)
-            else:
-                prev = [self.add(Kind.MLP_FWD, v, "F", m, layer=L, deps=[a], alloc=self.fwd_alloc(Kind.MLP_FWD))]
-                kinds = (Kind.ATTN_FWD, Kind.MLP_FWD)
+            moe = model.is_moe(L)
+            ids = self._layer(v, m, L, moe, True, prev, {Kind.ATTN_FWD: kv},
+                              after={Kind.ATTN_FWD: lambda a: self._offload_pending(v, m, L, a)})
+            prev = [ids[k] for k in LAYER_OUT["moe" if moe else "dense"]]
+            kinds = ids  # the layer's forward kinds
             key = self.set_key(stage, m, L)
             # sub-ops kept on the device stay out of the set ([Note: storage policies from the config])
             nbytes = sum(sum(self._saved[k]) for k in kinds if not self.cost.kept_on_device(k))
@@ -472,6 +342,62 @@ class _Builder:
                                             nbytes=self.cost.p2p_bytes(), duration=self.dur(Kind.FWD_SEND),
                                             alloc=Mem(device=self.cost.p2p_bytes()))
         self.fwd_out[(v, mk)] = prev
+
+    def _layer(self, v: int, m: int, L: int, moe: bool, fwd: bool, entry: list[str | None],
+               cross: dict[Kind, list[str]], after: dict | None = None) -> dict[Kind, str]:
+        """The forward (``fwd``) or backward tasks of layer ``L`` (an MoE layer: ``moe``) of
+        micro-batch ``m`` on vstage ``v``, by kind, from the step table's rows in table order
+        ([Note: step table] in k3sched/steptable.py): entry rows wait for ``entry``, every row for
+        its planned edges and then ``cross[kind]`` (edges to other slices); ``after[kind]`` is
+        called with the task's id once it is added."""
+        ids: dict[Kind, str] = {}
+        for r, within in self._rows[(moe, fwd)]:
+            deps = list(entry) if r.entry else []
+            deps += [ids[k] for k in within]
+            deps += cross.get(r.kind, ())
+            key = ("row", r.kind)  # per cost model (slice): the row's bytes and duration
+            got = self._dur.get(key)
+            if got is None:
+                got = self._dur[key] = (self._bytes(r.alloc), self._bytes(r.free),
+                                        (self.a2a_bytes(r.kind), self.dur(r.kind)) if r.lane == "ep" else (0, None))
+            alloc, free, (nbytes, duration) = got
+            if r.kind is Kind.ATTN_DX:
+                mem = self._attn_dx_mem(r.kind, free, alloc)
+            else:
+                mem = {"alloc": Mem(device=alloc), "free": Mem(device=free)}
+            ids[r.kind] = tid = self.add(r.kind, v, r.unit, m, layer=L, deps=deps, nbytes=nbytes, duration=duration,
+                                         **mem)
+            if r.unit == "W":
+                self.wgrads.setdefault((m, L), []).append(tid)
+            if after and r.kind in after:
+                after[r.kind](tid)
+        return ids
+
+    def _bytes(self, terms) -> int:
+        """Bytes of memory-effect terms of the step table (the slice's, in a sliced plan)."""
+        out = 0
+        for what, k in terms:
+            if what == "w":
+                out += self._saved[k][0]
+            elif what == "x":
+                out += self._saved[k][1]
+            elif what == "dx":
+                out += self._grad_out[k]
+            elif what == "expert_in":  # dispatch recompute rebuilds it: [Note: step table]
+                cost, model = self.cost, self.cfg.model
+                out += (cost.T * model.top_k * model.hidden * cost.b if self.cfg.schedule.dispatch_recompute
+                        else self._saved[Kind.DISPATCH_FWD][0])
+            else:
+                raise ValueError(f"step table: unknown memory term {what!r} of {k.value}")
+        return out
+
+    def _offload_pending(self, v: int, m: int, L: int, attn: str) -> None:
+        """Slice j-1's activation set of layer ``L`` leaves once slice j's attention ``attn`` has
+        read its keys / values."""
+        pending = self._pending_offload.pop((self._rank[v], m, L), None)
+        if pending is not None:
+            with self._at_slice(self._j - 1):
+                self._offload_set(v, m, L, pending[0], pending[1] + [attn])
 
     def _buffer(self, stage: int, m: int, L: int) -> str:
         return f"s{stage}/mb{m}{'' if self._j is None else f'q{self._j}'}/L{L}/act"
@@ -518,12 +444,10 @@ class _Builder:
         return t
 
     def _backward(self, v: int, m: int) -> None:
-        pl, model, cost = self.pl, self.cfg.model, self.cost
-        sched = self.cfg.schedule
+        model, cost = self.cfg.model, self.cost
         stage = self._rank[v]
         sv, dx_alloc = self._saved, self._grad_out.__getitem__
-        wg = self.wgrads
-        mk, j = self._mk(m), self._j
+        mk = self._mk(m)
         if self.is_last(v):
             head_fwd = self.fwd_out[(v, mk)][0]
             up = self.add(Kind.HEAD_DX, v, "I", m, scope_chunk=True, deps=[head_fwd],
@@ -544,43 +468,10 @@ class _Builder:
             trig_layer = layers[len(layers) - 1 - i + 2] if i >= 2 else None
             trigger = first_bwd.get(trig_layer) if trig_layer is not None else up
             onl = self._onload(v, m, L, trigger)
-            ups = [up, onl]
-            W = lambda k, deps, free: wg.setdefault((m, L), []).append(  # noqa: E731
-                self.add(k, v, "W", m, layer=L, deps=deps, free=Mem(device=free)))
-            if model.is_moe(L):
-                cb = self.add(Kind.COMBINE_BWD, v, "I", m, layer=L, deps=ups,
-                              nbytes=self.a2a_bytes(Kind.COMBINE_BWD), duration=self.dur(Kind.COMBINE_BWD))
-                first_bwd[L] = cb
-                sdx = self.add(Kind.SHARED_DX, v, "I", m, layer=L, deps=ups,
-                               free=Mem(device=sv[Kind.SHARED_FWD][1]), alloc=Mem(device=dx_alloc(Kind.SHARED_DX)))
-                wdeps = []
-                disp_bytes = sv[Kind.DISPATCH_FWD][0]
-                if sched.dispatch_recompute:
-                    # EP-DR: re-run the dispatch to rebuild the expert input that expert.dw needs;
-                    # it runs on the ep lane while the expert backward computes.
-                    disp_bytes = cost.T * model.top_k * model.hidden * cost.b
-                    wdeps.append(self.add(Kind.DISPATCH_RE, v, "I", m, layer=L, deps=ups,
-                                          nbytes=self.a2a_bytes(Kind.DISPATCH_RE),
-                                          alloc=Mem(device=disp_bytes), duration=self.dur(Kind.DISPATCH_RE)))
-                edx = self.add(Kind.EXPERT_DX, v, "I", m, layer=L, deps=[cb],
-                               free=Mem(device=sv[Kind.EXPERT_FWD][1] + sv[Kind.COMBINE_FWD][1]),
-                               alloc=Mem(device=dx_alloc(Kind.EXPERT_DX)))
-                db = self.add(Kind.DISPATCH_BWD, v, "I", m, layer=L, deps=[edx],
-                              nbytes=self.a2a_bytes(Kind.DISPATCH_BWD), duration=self.dur(Kind.DISPATCH_BWD))
-                rb = self.add(Kind.ROUTER_BWD, v, "I", m, layer=L, deps=[db, sdx], free=Mem(device=sum(sv[Kind.ROUTER_FWD])))
-                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[rb, *self._kv_grad_dep(stage, m, L)],
-                               **self._attn_dx_mem(Kind.ATTN_DX, sv[Kind.ATTN_FWD][1], dx_alloc(Kind.ATTN_DX)))
-                W(Kind.EXPERT_DW, [edx] + wdeps, disp_bytes + dx_alloc(Kind.EXPERT_DX))
-                W(Kind.SHARED_DW, [sdx], dx_alloc(Kind.SHARED_DX))
-            else:
-                mdx = self.add(Kind.MLP_DX, v, "I", m, layer=L, deps=ups,
-                               free=Mem(device=sv[Kind.MLP_FWD][1]), alloc=Mem(device=dx_alloc(Kind.MLP_DX)))
-                first_bwd[L] = mdx
-                adx = self.add(Kind.ATTN_DX, v, "I", m, layer=L, deps=[mdx, *self._kv_grad_dep(stage, m, L)],
-                               **self._attn_dx_mem(Kind.ATTN_DX, sv[Kind.ATTN_FWD][1], dx_alloc(Kind.ATTN_DX)))
-                W(Kind.MLP_DW, [mdx], sv[Kind.MLP_FWD][0] + dx_alloc(Kind.MLP_DX))
-            W(Kind.ATTN_DW, [adx], sv[Kind.ATTN_FWD][0] + dx_alloc(Kind.ATTN_DX))
-            up = adx
+            moe = model.is_moe(L)
+            ids = self._layer(v, m, L, moe, False, [up, onl], {Kind.ATTN_DX: self._kv_grad_dep(stage, m, L)})
+            first_bwd[L] = ids[self._first_bwd[moe]]
+            up = ids[LAYER_IN_GRAD]
         if self.is_first(v):
             self.add(Kind.EMBED_DW, v, "W", m, scope_chunk=True, deps=[up])
         elif self._rank[v - 1] != stage:

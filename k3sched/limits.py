@@ -27,10 +27,12 @@ from dataclasses import dataclass
 
 from .config import MAX_TASKS_LIMIT, GiB, Config, ConfigError
 from .cost import CostModel
-from .graph import placement_for, split_layers
+from .graph import placement_for
+from .layersplit import split_layers
 from .pipelines import TABLE as PIPELINE_TABLE
 from .planner import InfeasibleBudget
 from .seqslice import slice_bounds
+from .steptable import BOUNDARY, CHUNK_FIRST, CHUNK_LAST, layer_steps
 from .tasks import Kind
 
 MAX_SPLIT_STEPS = 1_000_000
@@ -46,8 +48,6 @@ a larger plan is refused from the bound at once."""
 MAX_STEP_BYTES = 1 << 62
 """One step's static plus activation bytes must stay below this (memory curves are int64)."""
 
-_MOE_SET = (Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD, Kind.SHARED_FWD, Kind.COMBINE_FWD)
-_DENSE_SET = (Kind.ATTN_FWD, Kind.MLP_FWD)
 
 
 def check_limits(cfg: Config) -> None:
@@ -102,7 +102,7 @@ def _round_up(n: int) -> int:
 
 
 def split_steps(cfg: Config) -> int:
-    """DP steps of the balanced (or profile) layer split (:func:`k3sched.graph._min_max_split`); 0 for
+    """DP steps of the balanced (or profile) layer split (:func:`k3sched.layersplit._min_max_split`); 0 for
     ``even`` or explicit ``stage_layers``."""
     if cfg.parallel.layer_split == "even" or cfg.parallel.stage_layers is not None:
         return 0
@@ -123,6 +123,7 @@ class TaskCount:
     grads: int
     """Gradient reduction buckets and gradient-shard copies."""
     optim: int
+    """Optimizer steps: one per stage and planned step, and one per layer with ``schedule.layer_optim``."""
     buckets_per_layer: int
 
     @property
@@ -156,11 +157,12 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     O(pp x vpp) time."""
     cost = cost or CostModel(cfg)
     m, p, s = cfg.model, cfg.parallel, cfg.schedule
-    M = p.microbatches * PIPELINE_TABLE[s.pipeline].steps  # pipedream-2bw plans two steps
+    steps = PIPELINE_TABLE[s.pipeline].steps  # pipedream-2bw plans two steps
+    M = p.microbatches * steps
     moe = m.layers - m.dense_layers
     dense = m.dense_layers
-    per_moe = 15 + (1 if s.dispatch_recompute else 0)  # 6 forward, 6 (+1) dX side, 3 dW
-    per_dense = 6  # attn / mlp forward, dX, dW
+    per_moe = len(layer_steps(True, s.dispatch_recompute))  # the rows of the step table ([Note: step table])
+    per_dense = len(layer_steps(False, s.dispatch_recompute))
     U = M * p.seq_chunks  # pipeline units: each sequence slice has its own layer, offload and edge tasks
     layers = U * (moe * per_moe + dense * per_dense)
     offload = 2 * U * m.layers if s.offload != "none" else 0
@@ -171,17 +173,18 @@ def count_tasks(cfg: Config, cost: CostModel | None = None) -> TaskCount:
     copies = PIPELINE_TABLE[s.pipeline].copies
     if copies == 2:  # a micro-batch passes one copy's pp stages ([Note: dualpipe mapping])
         boundaries = p.pp - 1
-    edges = U * (2 + 3 + 4 * boundaries)  # embed fwd / dW, head fwd / dX / dW, act and grad send / recv
+    edges = U * (len(CHUNK_FIRST) + len(CHUNK_LAST) + len(BOUNDARY) * boundaries)
     reduce = p.ep * p.dp > 1
     b_moe = _buckets(cfg, cost, m.dense_layers) if moe and reduce else 0
     b_dense = _buckets(cfg, cost, 0) if dense and reduce else 0
     if s.grad_offload:  # per copy of a layer: its micro-batches in groups of pp
         groups = copies * -(-(M // copies) // max(1, p.pp))
         grads = groups * (moe * (b_moe + 3) + dense * (b_dense + 3))
-    else:
-        grads = copies * (moe * b_moe + dense * b_dense)
+    else:  # per step; with schedule.layer_optim one optim.run per layer ([Note: per-layer optimizer])
+        grads = steps * copies * (moe * b_moe + dense * b_dense)
+    layer_optim = steps * copies * m.layers if s.layer_optim and not s.grad_offload else 0
     mirror = p.pp if copies == 2 else 0  # grad.mirror ([Note: replica gradient reduction] in runtime/stage/gradients.py)
-    return TaskCount(layers, offload, edges, grads + mirror, p.pp, max(b_moe, b_dense))
+    return TaskCount(layers, offload, edges, grads + mirror, steps * p.pp + layer_optim, max(b_moe, b_dense))
 
 
 @dataclass
@@ -196,7 +199,7 @@ class MemoryBound:
 
 def _set_bytes(cost: CostModel, moe: bool) -> int:
     """Device bytes of one (layer, micro-batch) activation set, as the graph builder sums them."""
-    return sum(sum(cost.saved_bytes(k)) for k in (_MOE_SET if moe else _DENSE_SET))
+    return sum(sum(cost.saved_bytes(r.kind)) for r in layer_steps(moe) if r.unit == "F")
 
 
 def _positive_durations(cfg: Config, cost: CostModel) -> bool:

@@ -11,11 +11,13 @@
     combine.fwd  all-to-all back, unpermute, y = h + shared + sum_k w_k * expert_k(xn)
     mlp.fwd      (dense layers, instead of router..combine) y = h + SwiGLU(xn)
 Backward: combine.bwd (local combine backward, then all-to-all of the expert-output grads to the
-expert ranks) -> expert.dx / shared.dx / router.bwd -> [dispatch.re] -> dispatch.bwd (all-to-all
-of input grads back, unpermute) -> attn.dx. WGrad: attn.dw, shared.dw, expert.dw (after
+expert ranks) -> expert.dx -> dispatch.bwd (all-to-all of input grads back, unpermute) and
+combine.bwd -> shared.dx, both -> router.bwd (which adds its gradient of xn last) -> attn.dx;
+[dispatch.re] re-runs the dispatch for expert.dw. WGrad: attn.dw, shared.dw, expert.dw (after
 dispatch.re when dispatch recompute is on), mlp.dw. Router dW runs inside router.bwd.
 Per micro-batch extras: embed.fwd / embed.dw (after attn.dx of layer 0), head.fwd (loss),
-head.dx, head.dw. ``INTRA_LAYER_DEPS`` lists these dependencies as data.
+head.dx, head.dw. The tasks and their edges are the planner's step table ([Note: step table] in
+k3sched/steptable.py); ``INTRA_LAYER_DEPS`` lists the edges as a mapping.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from k3sched.steptable import CHUNK_FIRST, CHUNK_LAST, STEPS, data_deps, layer_steps
 from k3sched.tasks import Kind
 from moe.comm import ProcessGroup
 from moe.config import MoEModelArgs
@@ -35,35 +38,16 @@ from moe.context import MicroBatch
 if TYPE_CHECKING:
     from moe.model import MoEModel
 
-INTRA_LAYER_DEPS: Mapping[Kind, tuple[Kind, ...]] = MappingProxyType({
-    Kind.ROUTER_FWD: (Kind.ATTN_FWD,),
-    Kind.SHARED_FWD: (Kind.ATTN_FWD,),
-    Kind.DISPATCH_FWD: (Kind.ROUTER_FWD,),
-    Kind.EXPERT_FWD: (Kind.DISPATCH_FWD,),
-    Kind.COMBINE_FWD: (Kind.EXPERT_FWD, Kind.SHARED_FWD, Kind.ROUTER_FWD),
-    Kind.MLP_FWD: (Kind.ATTN_FWD,),
-    Kind.COMBINE_BWD: (Kind.COMBINE_FWD,),
-    Kind.EXPERT_DX: (Kind.COMBINE_BWD,),
-    Kind.SHARED_DX: (Kind.COMBINE_BWD,),
-    Kind.ROUTER_BWD: (Kind.COMBINE_BWD,),
-    Kind.DISPATCH_RE: (Kind.EXPERT_FWD,),
-    Kind.DISPATCH_BWD: (Kind.EXPERT_DX,),
-    Kind.ATTN_DX: (Kind.DISPATCH_BWD, Kind.SHARED_DX, Kind.ROUTER_BWD, Kind.MLP_DX),
-    Kind.MLP_DX: (Kind.MLP_FWD,),
-    Kind.ATTN_DW: (Kind.ATTN_DX,),
-    Kind.SHARED_DW: (Kind.SHARED_DX,),
-    Kind.EXPERT_DW: (Kind.EXPERT_DX, Kind.DISPATCH_RE),
-    Kind.MLP_DW: (Kind.MLP_DX,),
-})
-"""Dependencies between the tasks of one layer and micro-batch (kinds absent from a layer, e.g.
-``mlp.*`` in an MoE layer or ``dispatch.re`` without recompute, are to be ignored). Across layers:
-attn.fwd(l) needs combine.fwd / mlp.fwd (l-1) (embed.fwd for l = 0); combine.bwd / mlp.dx (l) need
-attn.dx (l+1) (head.dx for the last layer); embed.dw needs attn.dx (0)."""
+INTRA_LAYER_DEPS: Mapping[Kind, tuple[Kind, ...]] = MappingProxyType(data_deps())
+"""Dependencies between the tasks of one layer and micro-batch, read off the step table ([Note: step
+table] in k3sched/steptable.py): its planned, implied and moe-serial edges (kinds absent from a
+layer, e.g. ``mlp.*`` in an MoE layer or ``dispatch.re`` without recompute, are to be ignored).
+Across layers: attn.fwd(l) needs ``LAYER_OUT`` of layer l-1 (embed.fwd for l = 0); the entry rows of
+layer l's backward (combine.bwd, shared.dx, dispatch.re / mlp.dx) need attn.dx (l+1) (head.dx for
+the last layer); embed.dw needs attn.dx (0)."""
 
-LAYER_KINDS: frozenset[Kind] = frozenset(k for k in Kind if k.op in {"attn", "router", "dispatch", "shared",
-                                                                      "expert", "combine", "mlp"})
-MICROBATCH_KINDS: frozenset[Kind] = frozenset({Kind.EMBED_FWD, Kind.EMBED_DW, Kind.HEAD_FWD, Kind.HEAD_DX,
-                                               Kind.HEAD_DW})
+LAYER_KINDS: frozenset[Kind] = frozenset(r.kind for r in STEPS)
+MICROBATCH_KINDS: frozenset[Kind] = frozenset(CHUNK_FIRST + CHUNK_LAST)
 
 
 @dataclass(frozen=True)
@@ -76,28 +60,18 @@ class MicroBatchTasks:
 
 
 def microbatch_tasks(args: MoEModelArgs) -> MicroBatchTasks:
-    """Forward of every layer, then dX in reverse layer order, then every dW."""
+    """Forward of every layer, then dX in reverse layer order, then every dW; a layer's tasks in
+    step-table order ([Note: step table] in k3sched/steptable.py), which respects every edge."""
     fwd: list[tuple[Kind, int | None]] = [(Kind.EMBED_FWD, None)]
     dx: list[tuple[Kind, int | None]] = [(Kind.HEAD_DX, None)]
     dw: list[tuple[Kind, int | None]] = [(Kind.HEAD_DW, None)]
+    rows = {moe: layer_steps(moe, args.dispatch_recompute) for moe in (True, False)}
     for i in range(args.layers):
-        if args.is_moe_layer(i):
-            kinds = [Kind.ATTN_FWD, Kind.ROUTER_FWD, Kind.SHARED_FWD, Kind.DISPATCH_FWD, Kind.EXPERT_FWD,
-                     Kind.COMBINE_FWD]
-        else:
-            kinds = [Kind.ATTN_FWD, Kind.MLP_FWD]
-        fwd += [(k, i) for k in kinds]
+        fwd += [(r.kind, i) for r in rows[args.is_moe_layer(i)] if r.unit == "F"]
     fwd.append((Kind.HEAD_FWD, None))
     for i in reversed(range(args.layers)):
-        if args.is_moe_layer(i):
-            kinds = [Kind.COMBINE_BWD, Kind.SHARED_DX, Kind.ROUTER_BWD, Kind.EXPERT_DX]
-            kinds += [Kind.DISPATCH_RE] if args.dispatch_recompute else []
-            kinds += [Kind.DISPATCH_BWD, Kind.ATTN_DX]
-            dw += [(k, i) for k in (Kind.SHARED_DW, Kind.EXPERT_DW, Kind.ATTN_DW)]
-        else:
-            kinds = [Kind.MLP_DX, Kind.ATTN_DX]
-            dw += [(k, i) for k in (Kind.MLP_DW, Kind.ATTN_DW)]
-        dx += [(k, i) for k in kinds]
+        dx += [(r.kind, i) for r in rows[args.is_moe_layer(i)] if r.unit == "I"]
+        dw += [(r.kind, i) for r in rows[args.is_moe_layer(i)] if r.unit == "W"]
     dw.append((Kind.EMBED_DW, None))
     return MicroBatchTasks(tuple(fwd), tuple(dx), tuple(dw))
 

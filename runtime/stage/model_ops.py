@@ -9,8 +9,8 @@ keeps a reference to each upstream gradient when it is produced (head.dx, attn.d
 shared.dx uses it directly, so it needs nothing from the ep lane. The value is identical.
 shared.dx writes its gradient of ``xn`` apart from dispatch.bwd's; router.bwd sums them
 ([Note: partial input gradients] in moe/context.py).
-combine.fwd does need shared.fwd's output: :meth:`StageRunner.extra_deps` adds that edge (and the
-other data edges of ``moe.INTRA_LAYER_DEPS``) where the plan leaves them implicit.
+The step table marks moe's shared.dx <- combine.bwd edge ``serial`` (moe's own execution only), so
+:meth:`StageRunner.extra_deps` leaves it out ([Note: step table] in k3sched/steptable.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
+from k3sched.steptable import runtime_deps
 from k3sched.tasks import Kind
 from moe import handoff
-from moe import INTRA_LAYER_DEPS
 
 from ..executor import PlanTask
 
@@ -33,9 +33,12 @@ class ModelOps:
 
     @staticmethod
     def extra_deps(lanes: Mapping[str, list[PlanTask]]) -> dict[str, tuple[str, ...]]:
-        """Same-(mb, layer) data dependencies of ``moe.INTRA_LAYER_DEPS`` the plan leaves implicit
-        (except shared.dx <- combine.bwd, see [Note: shared.dx beside combine.bwd])."""
+        """Same-(mb, layer) dependencies of the step table's rows (planned and implied edges,
+        :func:`k3sched.steptable.runtime_deps`) that a task's planned dependencies lack: those the
+        plan implies only transitively, often through another stage, which the executor does not
+        see."""
         ids = {t.id for ts in lanes.values() for t in ts}
+        table = runtime_deps()
         out: dict[str, tuple[str, ...]] = {}
         for ts in lanes.values():
             for t in ts:
@@ -43,9 +46,7 @@ class ModelOps:
                     continue
                 prefix = t.id.rsplit("/", 1)[0]
                 extra = []
-                for k in INTRA_LAYER_DEPS.get(t.kind, ()):
-                    if t.kind is Kind.SHARED_DX and k is Kind.COMBINE_BWD:
-                        continue
+                for k in table.get(t.kind, ()):
                     d = f"{prefix}/{k.value}"
                     if d in ids and d not in t.deps:
                         extra.append(d)
