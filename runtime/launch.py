@@ -344,7 +344,8 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     if trace_steps:
         extra_args = [*(extra_args or []), "--trace-steps"]
     try:
-        opts = RuntimeOptions.from_env({**os.environ, **(env or {})}, 0)  # the ranks' hooks: one line here, not per rank
+        # the ranks' hooks: a malformed one is one line here, not one per rank
+        opts = RuntimeOptions.from_env({**os.environ, **(env or {})}, 0)
         cfg, doc = check_run(config_path, overrides, nproc, strategy)
         if racecheck or drop_deps:
             from runtime.racecheck import launch_args as race_args

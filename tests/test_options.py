@@ -59,7 +59,8 @@ def test_a_malformed_value_is_one_line_naming_the_variable(name, value, says):
 
 def test_no_constructor_below_the_entry_point_reads_the_environment():
     # offload/ and the runtime's executor, checkpointer, stage runner and local runner take their options as arguments
-    for rel in ("offload/manager.py", "offload/gradshard.py", "runtime/executor.py", "runtime/local.py", "runtime/checkpoint.py",
+    for rel in ("offload/manager.py", "offload/gradshard.py", "runtime/executor.py", "runtime/local.py",
+                "runtime/checkpoint.py",
                 *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runtime/stage").glob("*.py"))):
         tree = ast.parse((ROOT / rel).read_text())
         reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "environ"]
