@@ -108,10 +108,6 @@ def _view(plan) -> _View:
     return _View(lanes, starts, plan.strategy, [tuple(g) for g in CostModel(plan.cfg).shared_links()])
 
 
-def _stage_of(tid: str) -> int:
-    return int(tid[1:tid.index("/")])
-
-
 def _local_start_deps(v: _View) -> None:
     """Each task's start dependencies as the runtime reads them (runtime.executor.stage_lanes):
     same-stage ones only; a peer's act.rserve trigger moves to the owner's act.ronload."""
