@@ -351,8 +351,7 @@ def _setup(args: argparse.Namespace, launch) -> _Setup:
     timeout = timedelta(seconds=args.timeout)
     if launch.world > 1 or launch.master_addr:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank, world_size=launch.world,
-                                timeout=timeout,
-                                **({"device_id": device} if use_cuda else {}))
+                                timeout=timeout, **({"device_id": device} if use_cuda else {}))
     return _Setup(opts, cfg, seed, device, use_cuda, timeout)
 
 
