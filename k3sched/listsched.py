@@ -171,20 +171,19 @@ def _drain_by_layer(pipeline: str) -> bool:
     return p is None or (p.placement == "loop" and p.copies == 1)
 
 
-DRAIN_BY_LAYER = True
-"""[Note: the WGrad drain by layer] The WGrad tasks whose lagged slot lies past the stage's last
-backbone slot run in the drain, after every forward and backward of the stage; a layer's gradient
-reduction waits for the WGrad of every micro-batch of that layer. Taken by slot (micro-batch), the
-drain runs each micro-batch's WGrad over all layers before the next one's, so every layer's last
-WGrad comes at the very end and its reduction is exposed, one layer after another. Taken by layer
-(first the layers whose last drain WGrad has the earliest slot, then the highest layer: the
-backward reaches it first, and layer numbers are global, so this holds across a stage's virtual
-stages; then by slot), each layer's reduction starts as soon as its WGrad is done and runs beside
-the next layers' WGrad. Only for the loop-placed one-copy schedules (gpipe, 1f1b,
-interleaved-1f1b, zb-h1, zb-h2, pipedream-2bw): on the V-shaped and bidirectional ones (zb-v,
-dualpipev, dualpipe, chimera) the earlier reductions share the NIC with the cool-down's P2P
-transfers and make the plans longer, so they keep the order by slot. Serial plans keep the plain
-order. A module flag so that tests can compare both orders."""
+# [Note: the WGrad drain by layer] The WGrad tasks whose lagged slot lies past the stage's last
+# backbone slot run in the drain, after every forward and backward of the stage; a layer's gradient
+# reduction waits for the WGrad of every micro-batch of that layer. Taken by slot (micro-batch), the
+# drain would run each micro-batch's WGrad over all layers before the next one's, so every layer's
+# last WGrad would come at the very end and its reduction would be exposed, one layer after another.
+# Taken by layer (first the layers whose last drain WGrad has the earliest slot, then the highest
+# layer: the backward reaches it first, and layer numbers are global, so this holds across a stage's
+# virtual stages; then by slot), each layer's reduction starts as soon as its WGrad is done and runs
+# beside the next layers' WGrad. Only for the loop-placed one-copy schedules (gpipe, 1f1b,
+# interleaved-1f1b, zb-h1, zb-h2, pipedream-2bw): on the V-shaped and bidirectional ones (zb-v,
+# dualpipev, dualpipe, chimera) the earlier reductions share the NIC with the cool-down's P2P
+# transfers and make the plans longer, so they keep the order by slot. Serial plans keep the plain
+# order.
 
 
 def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t: list[float],
@@ -315,7 +314,7 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
     nstages = g.cfg.parallel.pp
     res, res_compute = _resources(g, prep, serial)
     lag = 0 if serial else wgrad_lag
-    key = _priority_keys(prep, serial, lag, by_layer=DRAIN_BY_LAYER and _drain_by_layer(g.cfg.schedule.pipeline))
+    key = _priority_keys(prep, serial, lag, by_layer=_drain_by_layer(g.cfg.schedule.pipeline))
     npending = [a + b for a, b in zip(prep.ndeps, prep.nsdeps)]
     unstarted = list(prep.ndeps)  # deps not yet started (for the imminent-P2P rule)
     for i in skip:

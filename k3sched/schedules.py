@@ -172,10 +172,6 @@ class UniformResult:
     """(rank, step) -> start time of that slot."""
 
     @property
-    def max_idle(self) -> float:
-        return max(self.idle.values())
-
-    @property
     def peak_activations(self) -> dict[int, float]:
         """peak_inflight in units of one micro-batch through all of a rank's layers (/vpp)."""
         return {r: n / self._vpp for r, n in self.peak_inflight.items()}

@@ -13,7 +13,7 @@ sweep (O(tasks + edges)). A cycle means the order deadlocks; the error names the
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -38,12 +38,6 @@ class MemoryTimeline:
     @property
     def peak(self) -> int:
         return int(self.bytes.max()) if self.bytes.size else self.base
-
-
-@dataclass
-class SimResult:
-    step_time_us: float
-    memory: dict[tuple[int, str], MemoryTimeline] = field(default_factory=dict)
 
 
 def simulate(tasks: Mapping[str, Task], lane_orders: Mapping[LaneKey, Sequence[str]]) -> float:

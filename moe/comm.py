@@ -19,11 +19,6 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank in ``group`` (0 when None)."""
-    return 0 if group is None else dist.get_rank(group)
-
-
 def all_to_all_rows(out: Tensor, x: Tensor, send_splits: list[int], recv_splits: list[int],
                 group: ProcessGroup) -> None:
     """``all_to_all_single`` of dim-0 rows; on gloo as receives posted before sends.

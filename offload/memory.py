@@ -164,10 +164,6 @@ def _storage_table(tensors: Iterable[Tensor], cuda_only: bool = False) -> dict[i
     return out
 
 
-def _distinct_bytes(tensors: Iterable[Tensor], skip: set[int] | None = None) -> int:
-    return sum(n for p, n in _storage_table(tensors).items() if not (skip and p in skip))
-
-
 def _changed_size(e: RuntimeError) -> bool:
     return "changed size during iteration" in str(e)
 

@@ -139,17 +139,6 @@ class BufferPool:
             self.stats.in_use -= cls
             self._free[(cls, buf.dtype)].append((buf, fence))
 
-    def trim(self) -> None:
-        """Drop free buffers whose fence completed (frees their memory)."""
-        with self._lock:
-            for key, free in self._free.items():
-                keep = [(b, f) for b, f in free if not fence_done(f)]
-                for b, _ in free:
-                    if fence_done(_):
-                        self.ptrs.discard(b.untyped_storage().data_ptr())
-                self.stats.reserved -= key[0] * (len(free) - len(keep))
-                free[:] = keep
-
     @property
     def reserved(self) -> int:
         return self.stats.reserved

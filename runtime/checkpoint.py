@@ -282,7 +282,7 @@ class Checkpointer:
     """Saves and loads one rank's share of a run's checkpoints (see [Note: checkpoint contents])."""
 
     def __init__(self, runner, *, out: str | Path, cfg, seed: int, rank: int, world: int, every: int = 0,
-                 mode: str = "async", group=None) -> None:
+                 mode: str = "async", group=None, kill_step: int | None = None) -> None:
         import torch.distributed as dist
 
         self.runner, self.cfg, self.seed = runner, cfg, seed
@@ -298,9 +298,7 @@ class Checkpointer:
         self.ep_rank, self.ep = lo.ep_idx, lo.ep
         per = cfg.model.experts // self.ep
         self.experts = range(self.ep_rank * per, (self.ep_rank + 1) * per)  # this rank's, global indices
-        kill = os.environ.get(KILL_ENV, "")
-        r, _, s = kill.partition(":")
-        self._kill_step = int(s) if kill and r == str(rank) else None
+        self._kill_step = kill_step  # KILL_ENV of this rank (RuntimeOptions.ckpt_kill_step)
         self.nonce = f"{os.getpid()}{int(time.time() * 1e3) % 10**6}"
         if self.dist and every:
             box = [self.nonce]

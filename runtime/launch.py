@@ -50,6 +50,8 @@ from pathlib import Path
 
 from k3sched.pipelines import TABLE as PIPELINE_TABLE
 
+from .options import FAILURES_ENV, TIMEOUT_ENV, RuntimeOptions
+
 REPO = Path(__file__).resolve().parents[1]
 UNSUPPORTED_KINDS: dict[str, str] = {}  # task kind -> the option that emits it (none today)
 
@@ -105,7 +107,6 @@ def resolve_device(device: str | None, world: int) -> str:
 #   no overlap). 16 gives each of those streams its own queue (the CUDA default is 8, max 32).
 NCCL_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "16"}
-WAIT_TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
 
 
 def gpu_env(out: Path) -> dict:
@@ -248,7 +249,6 @@ def first_error(out_dir: Path) -> str | None:
     return min(lines)[1] if lines else None
 
 
-FAILURES_ENV = "K3SCHED_FAILURES_FILE"
 FAILURES_FILE = "rank_failures.json"
 
 
@@ -293,7 +293,10 @@ def torchrun_main(argv: list[str]) -> None:
         with tempfile.TemporaryDirectory(prefix="k3sched_torchrun_") as logs:
             torchrun(["--log-dir", logs, *argv])
     except ChildFailedError as e:
-        path = os.environ.get(FAILURES_ENV)
+        try:
+            path = RuntimeOptions.from_env(os.environ, 0).failures_file
+        except ValueError:  # a malformed hook: the ranks said so already
+            path = None
         if path:
             with contextlib.suppress(OSError):
                 Path(path).write_text(json.dumps([{"rank": int(r), "local_rank": f.local_rank, "pid": f.pid,
@@ -340,10 +343,9 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         extra_args = [*(extra_args or []), "--warmup-steps", str(warmup_steps)]
     if trace_steps:
         extra_args = [*(extra_args or []), "--trace-steps"]
-    from runtime.options import RuntimeOptions
-
     try:
-        RuntimeOptions.from_env({**os.environ, **(env or {})}, 0)  # the ranks' hooks: one line here, not per rank
+        # the ranks' hooks: a malformed one is one line here, not one per rank
+        opts = RuntimeOptions.from_env({**os.environ, **(env or {})}, 0)
         cfg, doc = check_run(config_path, overrides, nproc, strategy)
         if racecheck or drop_deps:
             from runtime.racecheck import launch_args as race_args
@@ -374,7 +376,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
         _err(str(e))
         return 2
     extra_args = [*extra_args, "--device", dev]
-    env = _wait_env(env, timeout_s)
+    env = _wait_env(env, timeout_s, opts)
     if dev == "cuda":
         env = {**{k: v for k, v in gpu_env(out).items() if k not in os.environ}, **env}
     if emulate_links:
@@ -391,11 +393,11 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     return _launch(cmd, out, run_env, world, timeout_s, quiet)
 
 
-def _wait_env(env: dict, timeout_s: float | None) -> dict:
-    """The ranks' wait limit (K3SCHED_TIMEOUT_S): the caller's, else half the whole-run limit (at
-    most 120 s, at least 5 s), so a stuck rank reports itself before the launcher gives up."""
-    if timeout_s and WAIT_TIMEOUT_ENV not in env and WAIT_TIMEOUT_ENV not in os.environ:
-        env = {**env, WAIT_TIMEOUT_ENV: f"{max(5.0, min(120.0, timeout_s / 2)):g}"}
+def _wait_env(env: dict, timeout_s: float | None, opts: RuntimeOptions) -> dict:
+    """The ranks' wait limit (K3SCHED_TIMEOUT_S): the caller's (``opts``), else half the whole-run
+    limit (at most 120 s, at least 5 s), so a stuck rank reports itself before the launcher gives up."""
+    if timeout_s and opts.timeout_s is None:
+        env = {**env, TIMEOUT_ENV: f"{max(5.0, min(120.0, timeout_s / 2)):g}"}
     return env
 
 

@@ -52,8 +52,7 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
     doc = plan_to_json(plan(cfg, strategy))
     lanes = stage_lanes(doc, 0)
     runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=seed, lr=lr,
-                         weight_decay=weight_decay, offload_debug=opts.offload_debug, copy_delay_s=opts.copy_delay_s,
-                         unsafe_shared_dx=opts.unsafe_shared_dx, device=device)
+                         weight_decay=weight_decay, options=opts, device=device)
     runner.bind_plan(lanes)
     if setup is not None:
         setup(runner)

@@ -134,7 +134,3 @@ def write_profile(cfg: Config, path, seed: int = 0) -> dict[str, Any]:
     with open(path, "w") as f:
         yaml.safe_dump(data, f, sort_keys=True)
     return data
-
-
-def _dump(t: Tensor) -> str:  # pragma: no cover - debugging aid
-    return f"{tuple(t.shape)} {t.dtype}"

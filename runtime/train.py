@@ -31,11 +31,9 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-
-TIMEOUT_ENV = "K3SCHED_TIMEOUT_S"
 
 
 class UserError(Exception):
@@ -57,8 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=None, help="model and data seed (default: schedule.seed)")
-    ap.add_argument("--timeout", type=float, default=float(os.environ.get(TIMEOUT_ENV, "120")),
-                    help="collective and dependency-wait timeout, seconds")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="collective and dependency-wait timeout, seconds (default: env K3SCHED_TIMEOUT_S, else 120)")
     ap.add_argument("--save-every", type=int, default=0, metavar="N",
                     help="checkpoint every N steps into OUT/checkpoints/step_K, K = steps done (0: never)")
     ap.add_argument("--save-mode", choices=["async", "blocking"], default="async",
@@ -85,14 +83,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from runtime.options import LaunchEnv
+
     args = parse_args(argv)
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    launch = LaunchEnv.from_env(os.environ)  # [Note: runtime options]
+    rank = launch.rank
     _mark_rank(rank)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.racecheck import MAX_LINES, RaceFound
 
     try:
-        return _train(args, rank, world, out)
+        return _train(args, launch, out)
     except UserError as e:
         _report(out, rank, stage, f"error: {e}", None)
         _hard_exit(2)
@@ -115,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         where = f"rank {rank}"
         _report(out, rank, stage, f"{where}: {msg if 'task ' in msg[:5] else type(e).__name__ + ': ' + msg}", cause)
-        _abort_comms(args.timeout)
+        _abort_comms(args.timeout or 10.0)  # None: failed before _setup, no process group yet
         _hard_exit(1)
     return 1  # pragma: no cover
 
@@ -187,7 +183,7 @@ def _hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: int, out: Path, seed: int):
+def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: int, out: Path, seed: int, opts):
     """Checkpoints and data of the run: the :class:`runtime.checkpoint.Checkpointer`, the global step
     to start from (the checkpoint's with ``--resume``, else 0) and the checkpoint resumed from; sets
     ``runner.data`` when ``data.path`` names a token file (at the checkpoint's data position)."""
@@ -203,12 +199,12 @@ def _checkpoint_setup(args: argparse.Namespace, cfg, runner, rank: int, world: i
                         "schedule.expert_placement)")
     group = ck.make_group(timedelta(seconds=args.timeout)) if (args.save_every or args.resume) else None
     cp = ck.Checkpointer(runner, out=out, cfg=cfg, seed=seed, rank=rank, world=world, every=args.save_every,
-                         mode=args.save_mode, group=group)
+                         mode=args.save_mode, group=group, kill_step=opts.ckpt_kill_step)
     start, doc, path = 0, None, None
     if args.resume:
         try:
             path, doc = ck.resolve_resume(args.resume, out, cfg, args.steps,
-                                          files=rank == 0 and os.environ.get(ck.VERIFIED_ENV) != "1")
+                                          files=rank == 0 and not opts.ckpt_verified)
             doc = cp.load(path)
         except ck.CheckpointError as e:
             raise UserError(str(e)) from None
@@ -306,17 +302,22 @@ class _StepLog:
     records: list = field(default_factory=list)  # with --trace-steps: the records from the last warm-up step on
 
 
-def _setup(args: argparse.Namespace, rank: int, world: int) -> _Setup:
-    """Runtime options, config, seed, device and the default process group."""
+def _setup(args: argparse.Namespace, launch) -> _Setup:
+    """Runtime options, config, seed, device and the default process group; ``args.timeout`` set
+    when ``--timeout`` was not given."""
     import torch
     import torch.distributed as dist
 
     from runtime.options import RuntimeOptions
 
     try:
-        opts = RuntimeOptions.from_env(os.environ, rank)  # [Note: runtime options]: the only read
+        opts = RuntimeOptions.from_env(os.environ, launch.rank)  # [Note: runtime options]: the only read
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.timeout is None:
+        args.timeout = 120.0 if opts.timeout_s is None else opts.timeout_s
+    if args.offload_debug:
+        opts = replace(opts, offload_debug=True)
     if opts.stacks_after_s is not None:  # debugging aid: dump every thread's stack once
         import faulthandler
 
@@ -329,9 +330,9 @@ def _setup(args: argparse.Namespace, rank: int, world: int) -> _Setup:
     except ConfigError as e:
         raise UserError(str(e)) from None
     p = cfg.parallel
-    if p.world != world:
+    if p.world != launch.world:
         raise UserError(f"{args.config}: parallel pp*ep*dp = {p.pp}*{p.ep}*{p.dp} = {p.world} ranks, but the launcher "
-                        f"started WORLD_SIZE={world}")
+                        f"started WORLD_SIZE={launch.world}")
     seed = cfg.schedule.seed if args.seed is None else args.seed
     torch.manual_seed(seed)
     if opts.deterministic:  # bitwise comparisons in tests (on CUDA)
@@ -341,16 +342,16 @@ def _setup(args: argparse.Namespace, rank: int, world: int) -> _Setup:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU)")
     use_cuda = torch.cuda.is_available() and not args.cpu and args.device != "cpu"
-    local_rank = _env_int("LOCAL_RANK", 0)
+    local_rank = launch.local_rank
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     timeout = timedelta(seconds=args.timeout)
-    if world > 1 or os.environ.get("MASTER_ADDR"):
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timeout,
-                                **({"device_id": device} if use_cuda else {}))
+    if launch.world > 1 or launch.master_addr:
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank, world_size=launch.world,
+                                timeout=timeout, **({"device_id": device} if use_cuda else {}))
     return _Setup(opts, cfg, seed, device, use_cuda, timeout)
 
 
@@ -381,12 +382,12 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
 
 def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
     """(spec, lanes, runner) of this rank's stage: its P2P and remote groups built and warmed up,
-    the runner bound to the plan, fault injection set."""
+    the runner bound to the plan, fault injection set (from ``s.opts``)."""
     from runtime.executor import stage_lanes
     from runtime.groups import build_mirror_groups, build_p2p_groups, p2p_edges, warm_up_p2p
     from runtime.stage import StageRunner, StageSpec, build_remote_group
 
-    opts, stage = s.opts, groups.layout.pp_idx
+    stage = groups.layout.pp_idx
     spec = StageSpec.of(s.cfg, stage)
     lanes = stage_lanes(doc, stage)
     remote_group = build_remote_group(groups, doc, timeout=s.timeout)
@@ -396,14 +397,9 @@ def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
         build_mirror_groups(groups, timeout=s.timeout)
     warm_up_p2p(groups, args.timeout, s.device)  # [Note: NCCL-safe P2P]
     runner = StageRunner(s.cfg, spec, groups, seed=s.seed, lr=args.lr, weight_decay=args.weight_decay,
-                         device=s.device, fail_task=opts.fail_task, remote_group=remote_group,
-                         offload_debug=args.offload_debug or opts.offload_debug, copy_delay_s=opts.copy_delay_s,
-                         unsafe_shared_dx=opts.unsafe_shared_dx,
+                         device=s.device, options=s.opts, remote_group=remote_group,
                          p2p="strict" if strict else "buffered", p2p_timeout_s=args.timeout)
     runner.bind_plan(lanes)
-    if opts.fail_task is not None:
-        runner.fail_step, runner.fail_kill, runner.fail_hang = (opts.fail_step, opts.fail_signal == "KILL",
-                                                                opts.fail_signal == "HANG")
     return spec, lanes, runner
 
 
@@ -697,21 +693,22 @@ def _print_totals(console, cfg, doc: dict, times: list[float], totals, memory, w
                       f"{routing_doc['imbalance_contiguous_mean']:.3f})")
 
 
-def _train(args: argparse.Namespace, rank: int, world: int, out: Path) -> int:
+def _train(args: argparse.Namespace, launch, out: Path) -> int:
     """setup, plan and its checks, the stage runner, checkpoints, the step loop, the outputs."""
     import torch
     import torch.distributed as dist
 
     from runtime.groups import Layout, build_groups
 
-    s = _setup(args, rank, world)
+    rank, world = launch.rank, launch.world
+    s = _setup(args, launch)
     cfg, p, device = s.cfg, s.cfg.parallel, s.device
     lo = Layout(p.pp, p.dp, p.ep, rank, p.order)
     groups = build_groups(lo, timeout=s.timeout)
     doc = _checked_plan(args, cfg, rank, out)
     stage = lo.pp_idx
     spec, lanes, runner = _build_runner(args, s, doc, groups)
-    ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, s.seed)
+    ckpt, first_step, resumed_from = _checkpoint_setup(args, cfg, runner, rank, world, out, s.seed, s.opts)
     ex, rc = _build_executor(args, s, doc, groups, spec, lanes, runner)
     tokens_per_step = p.microbatches * p.ep * p.dp * cfg.model.micro_batch_size * cfg.model.seq_len
     predicted_us = float(doc["metrics"]["step_time_us"])

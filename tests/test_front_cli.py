@@ -264,12 +264,6 @@ def test_skip_bad_events_is_passed_and_the_count_said(run_dir, monkeypatch):
 
 
 def test_malformed_event_refused_unless_skipped(run_dir):
-    import inspect
-
-    from traces.chrome import read_trace
-
-    if "skip_bad_events" not in inspect.signature(read_trace).parameters:
-        pytest.skip("the trace readers do not take skip_bad_events yet")
     d, traces = run_dir
     obj = json.loads(Path(traces[0]).read_text())
     obj["traceEvents"].append({"ph": "X", "name": "s0/mb0/L0/attn.fwd", "ts": "soon", "dur": 1, "pid": 0,

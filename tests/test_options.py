@@ -4,11 +4,12 @@ with one-line errors; the objects it configures read no environment themselves."
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-from runtime.options import RuntimeOptions
+from runtime.options import LaunchEnv, RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +27,17 @@ def test_from_env_reads_every_hook_of_its_own_rank():
     assert (zero.perturb, zero.fail_task, zero.fail_step, zero.fail_signal) == (None, None, None, "")
     assert RuntimeOptions.from_env({}, 0) == RuntimeOptions()
     assert RuntimeOptions.from_env({"K3SCHED_FAIL_RANK": "0"}, 0).fail_task == "*"
+    run = {"K3SCHED_TIMEOUT_S": "10", "K3SCHED_CKPT_KILL": "1:4", "K3SCHED_CKPT_VERIFIED": "1",
+           "K3SCHED_FAILURES_FILE": "/tmp/f.json"}
+    assert RuntimeOptions.from_env(run, 1) == RuntimeOptions(timeout_s=10.0, ckpt_kill_step=4, ckpt_verified=True,
+                                                             failures_file="/tmp/f.json")
+    assert RuntimeOptions.from_env(run, 0).ckpt_kill_step is None
+
+
+def test_launch_env_reads_the_launchers_variables():
+    assert LaunchEnv.from_env({}) == LaunchEnv(0, 1, 0, "")
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert LaunchEnv.from_env(env) == LaunchEnv(3, 4, 1, "127.0.0.1")
 
 
 @pytest.mark.parametrize("name, value, says", [
@@ -34,6 +46,9 @@ def test_from_env_reads_every_hook_of_its_own_rank():
     ("K3SCHED_OFFLOAD_DEBUG", "yes", "expected 0 or 1"),
     ("K3SCHED_FAIL_SIGNAL", "TERM", "one of KILL, HANG"),
     ("K3SCHED_PERTURB", "nolane:1", "lane must be one of"),
+    ("K3SCHED_TIMEOUT_S", "soon", "expected a number"),
+    ("K3SCHED_CKPT_KILL", "0", "expected RANK:STEP"),
+    ("K3SCHED_CKPT_VERIFIED", "yes", "expected 0 or 1"),
 ])
 def test_a_malformed_value_is_one_line_naming_the_variable(name, value, says):
     env = {name: value, "K3SCHED_FAIL_RANK": "0"}
@@ -43,12 +58,25 @@ def test_a_malformed_value_is_one_line_naming_the_variable(name, value, says):
 
 
 def test_no_constructor_below_the_entry_point_reads_the_environment():
-    # offload/ and the runtime's executor, stage runner and local runner take their options as arguments
+    # offload/ and the runtime's executor, checkpointer, stage runner and local runner take their options as arguments
     for rel in ("offload/manager.py", "offload/gradshard.py", "runtime/executor.py", "runtime/local.py",
+                "runtime/checkpoint.py",
                 *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runtime/stage").glob("*.py"))):
         tree = ast.parse((ROOT / rel).read_text())
         reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "environ"]
         assert not reads, f"{rel} reads os.environ at line(s) {reads}"
+
+
+def test_only_the_options_read_a_k3sched_or_launcher_variable():
+    # every other use of os.environ in the packages hands the environment on to a child process or
+    # reads a variable of another tool (NVTX_INJECTION64_PATH, OMP_NUM_THREADS, PYTHONPATH)
+    ours = re.compile(r"K3SCHED_|_ENV\b|[\"'](RANK|WORLD_SIZE|LOCAL_RANK|MASTER_ADDR|MASTER_PORT)[\"']")
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+             for pkg in ("k3sched", "runtime", "moe", "offload", "traces") for p in sorted((ROOT / pkg).rglob("*.py"))
+             if p.relative_to(ROOT).as_posix() != "runtime/options.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if ("environ" in line or "getenv" in line) and ours.search(line)]
+    assert not found, found
 
 
 def test_run_refuses_a_malformed_hook_before_launching(tmp_path, capsys):

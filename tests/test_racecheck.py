@@ -35,7 +35,7 @@ from runtime.executor import Executor, PlanTask, TaskError, stage_lanes
 from runtime.groups import Layout, build_groups
 from runtime.launch import run_command
 from runtime.racecheck import (RaceChecker, apply_drops, check_drops, clean_line, parse_drop, same_stage_deps)
-from runtime.options import UNSAFE_SHARED_DX_ENV
+from runtime.options import UNSAFE_SHARED_DX_ENV, RuntimeOptions
 from runtime.stage import StageRunner, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,7 +226,7 @@ def _local(overrides: list[str], *, strategy: str | None = None, steps: int = 1,
     doc = plan_to_json(plan(cfg, strategy))
     lanes = stage_lanes(doc, 0)
     runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)), seed=cfg.schedule.seed,
-                         unsafe_shared_dx=unsafe_shared_dx)
+                         options=RuntimeOptions(unsafe_shared_dx=unsafe_shared_dx))
     runner.bind_plan(lanes)
     if reorder:
         reorder(lanes)

@@ -5,7 +5,6 @@ line on stderr), 3 an internal error (a bug: one line on stderr naming a file wi
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -54,24 +53,16 @@ def writable_target(path, *, directory: bool = False) -> str | None:
     return None
 
 
-def _reader_skips() -> bool:
-    try:
-        return "skip_bad_events" in inspect.signature(read_trace).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
 def read_trace_files(paths, *, skip_bad_events: bool = False, prog: str = PROG) -> EventTable:
     """Read trace files (any format ``read_trace`` reads) into one table. Malformed events are a
     ``TraceError`` unless ``skip_bad_events``; then the readers drop them and the count of each
     file is said on stderr ("skipped N malformed events")."""
     if not paths:
         raise TraceError("no trace files given")
-    skips = _reader_skips()
     tables = []
     for p in paths:
-        t = read_trace(p, skip_bad_events=skip_bad_events) if skips else read_trace(p)
-        n = int(getattr(t, "bad_events", 0) or 0)
+        t = read_trace(p, skip_bad_events=skip_bad_events)
+        n = t.bad_events
         if n > 0:
             print(f"{prog}: {p}: skipped {n} malformed events", file=sys.stderr)
         tables.append(t)

@@ -122,11 +122,6 @@ class EventTable:
         """Rows selected by a boolean mask or an index array (``bad_events`` is kept)."""
         return EventTable(**{c: getattr(self, c)[idx] for c in COLUMNS}, bad_events=self.bad_events)
 
-    def with_rank(self, rank) -> "EventTable":
-        t = self.take(slice(None))
-        t.rank = np.broadcast_to(np.asarray(rank, dtype=np.int32), (len(self),)).copy()
-        return t
-
     def sorted(self) -> "EventTable":
         """Rows ordered by (rank, start_us)."""
         return self.take(np.lexsort((self.start_us, self.rank)))

@@ -395,10 +395,6 @@ def _to_table(ranges: _Ranges, gpu: list[dict]) -> EventTable:
 
 # ---- recording -------------------------------------------------------------------------
 
-def nsys_available() -> bool:
-    return shutil.which("nsys") is not None
-
-
 class CaptureHung(TraceError):
     """``nsys profile`` hung past its timeout on every attempt (nsys 2022.4, intermittent)."""
 

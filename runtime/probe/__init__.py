@@ -67,7 +67,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -457,13 +457,3 @@ def write_hardware(result: ProbeResult, path: str | Path, config_path: str | Pat
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
     return p
-
-
-def result_json(result: ProbeResult) -> dict[str, Any]:
-    """A JSON-able form of ``result`` (for benchmarks that keep the raw numbers)."""
-    coll = {k: v for k, v in result.collectives.items() if k != "fits"}
-    coll["fits"] = {g: {op: asdict(f) for op, f in fits.items()} for g, fits in result.collectives["fits"].items()}
-    return {"hardware": result.hardware, "rows": [asdict(r) for r in result.rows], "collectives": coll,
-            "gemms": [{"name": t.shape.name, "model": [t.shape.m, t.shape.k, t.shape.n], "timed": list(t.timed),
-                       "weight": t.shape.weight, "us": t.us, "tflops": t.tflops} for t in result.gemms],
-            "device": result.device, "nproc": result.nproc, "emulated": result.emulated, "notes": result.notes}

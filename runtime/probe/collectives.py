@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from runtime.launch import REPO, first_error, free_port, kill_group
+from runtime.options import LaunchEnv
 
 KiB, MiB = 1 << 10, 1 << 20
 from .inprocess import COLL_SIZES, OPS, RESULT_FILE, Fit, KiB, MiB, ProbeError, _sync_of, bus_factor, fit_latency_bandwidth
@@ -360,8 +361,8 @@ def worker_main(argv: Sequence[str]) -> int:
                     help="CPU: seconds of the GEMM loop of the contended measurement (0: none)")
     ap.add_argument("--contended-reps", type=int, default=3, help="samples per size of the contended measurement")
     a = ap.parse_args(list(argv))
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = LaunchEnv.from_env(os.environ)
+    rank, world = launch.rank, launch.world
     try:
         import torch.distributed as dist
 
@@ -370,7 +371,7 @@ def worker_main(argv: Sequence[str]) -> int:
         spec = json.loads(a.groups) if a.groups else {"loopback": list(range(world))}
         timeout = timedelta(seconds=a.timeout)
         if a.device == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
+            local = launch.local_rank
             torch.cuda.set_device(local)
             device = torch.device("cuda", local)
             dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)

@@ -22,6 +22,7 @@ from offload.gradshard import GradShards
 
 from ..executor import Handler, PlanTask
 from ..groups import Groups
+from ..options import RuntimeOptions
 from .faults import FaultInjection
 from .gradients import GradientOps
 from .memory import MemorySampling
@@ -41,10 +42,9 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
     """The global index of the step in progress (:meth:`begin_step`)."""
 
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
-                 weight_decay: float = 0.01, device: torch.device | None = None, fail_task: str | None = None,
-                 remote_group=None, offload_debug: bool = False, copy_delay_s: float = 0.0,
-                 p2p: str = "buffered", p2p_timeout_s: float = 120.0, compute_stream=None,
-                 unsafe_shared_dx: bool = False) -> None:
+                 weight_decay: float = 0.01, device: torch.device | None = None, options: RuntimeOptions | None = None,
+                 remote_group=None, p2p: str = "buffered", p2p_timeout_s: float = 120.0,
+                 compute_stream=None) -> None:
         self.cfg, self.spec, self.groups = cfg, spec, groups
         self.args = model_args(cfg)
         self.device = device or torch.device("cpu")
@@ -57,10 +57,11 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
         self.model = build_stage_model(self.args, seed, spec, ep_rank=lo.ep_idx, ep_size=lo.ep, device=self.device,
                                        slots=self.placement.slots)
         self.params = [p for p in self.model.parameters()]
-        self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=offload_debug,
-                                      copy_delay_s=copy_delay_s, remote_group=remote_group,
+        opts = options or RuntimeOptions()  # [Note: runtime options]: the debug and fault-injection hooks
+        self.acts = ActivationManager(self.device, table=PolicyTable.from_config(cfg), debug=opts.offload_debug,
+                                      copy_delay_s=opts.copy_delay_s, remote_group=remote_group,
                                       compute_stream=compute_stream)
-        self.unsafe_shared_dx = unsafe_shared_dx  # [Note: runtime options]: K3SCHED_UNSAFE_SHARED_DX
+        self.unsafe_shared_dx = opts.unsafe_shared_dx
         self.gshards: GradShards | None = None
         opt_params = self.params
         if cfg.schedule.grad_offload:
@@ -102,7 +103,7 @@ class StageRunner(ModelOps, P2POps, GradientOps, OffloadOps, OptimizerOps, Memor
             if missing:
                 raise ValueError(f"--p2p strict: no ready-token group for {missing[0]} (build_p2p_groups(ready=True))")
             self.streams = {k: P2PStream(f"{k[0]} {k[1]}->{k[2]}", p2p_timeout_s) for k in groups.p2p}
-        self.fail_task = fail_task
+        self.fail_task, self.fail_step, self.fail_signal = opts.fail_task, opts.fail_step, opts.fail_signal
         self._rs_buckets: dict[tuple[int, int], int] = {}
         m = cfg.model
         self.act_shape = (m.micro_batch_size, m.seq_len, m.hidden)
