@@ -53,7 +53,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from k3sched.tasks import LANES, Kind, parse_task_id
+from k3sched.planfile import PlanTask
+from k3sched.tasks import LANES, Kind
 
 
 class _TorchNvtx:
@@ -108,37 +109,6 @@ def _nvtx_missing_notice() -> None:
 NVTX_DOMAIN = "k3sched"
 TRACE_FORMAT = "k3sched.trace/1"
 PERTURB_ENV = "K3SCHED_PERTURB"
-
-
-@dataclass(frozen=True)
-class PlanTask:
-    """One task of this rank's stage, as plan.json lists it (the fields the runtime needs)."""
-
-    id: str
-    kind: Kind
-    lane: str
-    stage: int
-    chunk: int
-    mb: int | None
-    layer: int | None
-    deps: tuple[str, ...] = ()
-    start_deps: tuple[str, ...] = ()
-    bucket: int | None = None
-    bytes: int = 0
-    buffer: str | None = None
-    peer_stage: int | None = None
-    start_us: float = 0.0
-    end_us: float = 0.0
-    slice: int | None = None
-    """The micro-batch's sequence slice (None: the whole sequence; [Note: task id grammar])."""
-
-    @classmethod
-    def from_json(cls, t: Mapping, start_deps: tuple[str, ...] = ()) -> PlanTask:
-        return cls(id=t["id"], kind=Kind(t["kind"]), lane=t["lane"], stage=int(t["stage"]), chunk=int(t["chunk"]),
-                   mb=t.get("mb"), layer=t.get("layer"), deps=tuple(t.get("deps") or ()), start_deps=start_deps,
-                   bucket=parse_task_id(t["id"]).bucket, bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
-                   peer_stage=t.get("peer_stage"), start_us=float(t.get("start_us") or 0.0),
-                   end_us=float(t.get("end_us") or 0.0), slice=t.get("slice"))
 
 
 def stage_lanes(plan: Mapping, stage: int) -> dict[str, list[PlanTask]]:

@@ -49,7 +49,7 @@ def test_the_drain_runs_layer_by_layer_and_each_reduction_starts_earlier(monkeyp
     assert all(rs[L].start_us <= rs_old[L].start_us + 1e-6 for L in rs)
     top = max(rs)
     assert rs[top].start_us < rs_old[top].start_us - 10_000
-    assert by_layer.metrics["step_time_us"] < by_slot.metrics["step_time_us"] - 5_000  # 2907 -> 2895 ms
+    assert by_layer.metrics.step_time_us < by_slot.metrics.step_time_us - 5_000  # 2907 -> 2895 ms
 
 
 @pytest.mark.parametrize("extra", [[], ["parallel.pp=4", "parallel.ep=1", "parallel.microbatches=8"],
@@ -59,7 +59,7 @@ def test_the_drain_runs_layer_by_layer_and_each_reduction_starts_earlier(monkeyp
 def test_the_drain_by_layer_is_no_slower_and_serial_and_v_plans_are_untouched(monkeypatch, extra):
     v_shaped = "schedule.pipeline=zb-v" in extra  # keeps the order by slot (see the Note)
     for strategy in (None, "serial"):
-        old, new = (_plan(monkeypatch, on, extra, strategy).metrics["step_time_us"] for on in (False, True))
+        old, new = (_plan(monkeypatch, on, extra, strategy).metrics.step_time_us for on in (False, True))
         if strategy == "serial" or v_shaped:
             assert new == old
         else:
