@@ -1,10 +1,10 @@
 """plan.json (format ``k3sched.plan/1``, docs/formats.md): its types, its writer and its check.
 
 The one module that knows the file: :func:`plan_to_json` / :func:`dumps_plan_bytes` write a
-planner :class:`~k3sched.planner.Plan`; :func:`check_plan_doc` checks a read
-one into a typed :class:`PlanDoc` ([Note: front doors] in traces/schema.py). :class:`PlanMetrics`
-is the plan's summary figures both in memory (``Plan.metrics``) and in the file; :class:`PlanTask`
-is one task as the runtime executes it.
+planner :class:`~k3sched.planner.Plan`; :func:`check_plan_doc` checks a document read from one
+and returns it as a typed :class:`PlanDoc` ([Note: front doors] in traces/schema.py).
+:class:`PlanMetrics` is the plan's summary figures, the same type in memory (``Plan.metrics``)
+and in the file; :class:`PlanTask` is one task as the runtime executes it.
 
 Layering: this module imports only ``k3sched.tasks``, pydantic and (to write) orjson, so ``traces``
 and ``runtime`` read plans through it without the planner.
@@ -210,7 +210,9 @@ class PlanTask:
                    bucket=parse_task_id(t["id"]).bucket, bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
                    peer_stage=t.get("peer_stage"), start_us=float(t.get("start_us") or 0.0),
                    end_us=float(t.get("end_us") or 0.0), slice=t.get("slice"))
-# ---- messages --------------------------------------------------------------------------
+
+
+# ---- messages (of every file check: [Note: front doors] in traces/schema.py) ---------------
 
 def _path(loc) -> str:
     out = ""
@@ -279,7 +281,7 @@ def validate_model(model, doc, where: str, cls):
         fail_at(cls, where, path, msg, value, n - 1, show_value=msg != "missing (required)")
 
 
-# ---- check and read ------------------------------------------------------------------
+# ---- plan.json checked -----------------------------------------------------------------
 
 def check_plan_doc(doc, where: str = "plan", error: type[Exception] = PlanFileError) -> PlanDoc:
     """Check a plan.json document (types, then cross-field rules; [Note: front doors] in

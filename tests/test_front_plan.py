@@ -17,7 +17,7 @@ from k3sched.tasks import LANES, Kind
 from traces import synth
 from traces.events import TraceError
 from k3sched.planfile import KIND_VALUES, PlanFileError, check_plan_doc
-from traces.schema import PlanError, SchemaError, check_report, check_summary, load_report
+from traces.schema import SchemaError, check_report, check_summary, load_report
 from traces.validate import load_plan
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny-cpu.plan.json"

@@ -21,8 +21,6 @@ pydantic and numpy.
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field
