@@ -112,7 +112,8 @@ def test_validate_refuses_a_malformed_plan_in_one_line(tmp_path, what, path, val
 
 
 def test_plan_error_names_what_is_allowed():
-    with pytest.raises(PlanFileError, match=r"kind: must be one of 'attn\.fwd', .*'optim\.run'; got \"attn\.sideways\""):
+    with pytest.raises(PlanFileError,
+                       match=r"kind: must be one of 'attn\.fwd', .*'optim\.run'; got \"attn\.sideways\""):
         check_plan_doc(_mutate(PLAN, T + ("kind",), "attn.sideways"), "p.json")
     with pytest.raises(PlanFileError, match=r"deps: must be a list of task ids \(strings\); got \"xyz\""):
         check_plan_doc(_mutate(PLAN, T + ("deps",), "xyz"), "p.json")

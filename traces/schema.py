@@ -1,16 +1,17 @@
-"""Typed schemas of the JSON files the trace tools read and write (docs/formats.md): a run's
-summary (``k3sched.run/1``) and the validation report (``k3sched.validation/1``); the plan's
-(``k3sched.plan/1``) are the core's, in ``k3sched.planfile``, with the messages below.
+"""Typed schemas of the JSON files the trace tools read besides the plan (docs/formats.md): a
+run's summary (``k3sched.run/1``) and the validation report (``k3sched.validation/1``). The plan's
+(``k3sched.plan/1``) and the one-line messages of every check are the core's, ``k3sched.planfile``.
 
 [Note: front doors]
-Every file a user hands to ``k3sched validate`` / ``k3sched calibrate`` is checked here before
-anything reads it (the plan by ``k3sched.planfile.check_plan_doc``), so a malformed file is refused with ONE line naming the file, the field path
-(``stages[0].lanes.compute[3].deps``), the value found and what is allowed, and never reaches the
-validator or the fitter half-understood (``deps: "xyz"`` iterated character by character, a NaN
-start time compared as "never late", a bogus kind fitted into a profile). The models are pydantic
-v2 in strict mode: no bool or string where a number is expected, no float where an integer is,
-numbers finite, ids and names strings, kinds and lanes from ``k3sched.tasks``. Unknown keys are
-ignored (a newer writer may add fields; a reader only relies on the ones below). What a type
+Every file a user hands to ``k3sched validate`` / ``k3sched calibrate`` is checked before anything
+reads it (the plan by ``k3sched.planfile.check_plan_doc``, the others here), so a malformed file
+is refused with ONE line naming the file, the field path (``stages[0].lanes.compute[3].deps``),
+the value found and what is allowed, and never reaches the validator or the fitter
+half-understood (``deps: "xyz"`` iterated character by character, a NaN start time compared as
+"never late", a bogus kind fitted into a profile). The models are pydantic v2 in strict mode: no
+bool or string where a number is expected, no float where an integer is, numbers finite, ids and
+names strings, kinds and lanes from ``k3sched.tasks``. Unknown keys are ignored (a newer writer
+may add fields; a reader only relies on the ones its model names). What a type
 cannot say (an end before its start, a dependency on a task the plan does not have, a task filed
 under another lane or stage than it names) is checked after the types, with its own field path.
 A check that fails raises :class:`SchemaError` (a ``TraceError``: the CLIs print it and exit 2).

@@ -116,7 +116,8 @@ def load_plan(path, *, typed: bool = False):
 
 # ---- validation ------------------------------------------------------------------------
 
-def validate(plan: "dict | PlanDoc", events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, cross_rank_clocks: bool = False,
+def validate(plan: "dict | PlanDoc", events, tolerance_us: float = DEFAULT_TOLERANCE_US, *,
+             cross_rank_clocks: bool = False,
              only_traced_stages: bool = False, clock: str = "auto") -> Report:
     """Validate ``events`` (an EventTable, or a list of them) against ``plan`` (a plan.json
     dict, checked against its schema here, or an already checked :class:`k3sched.planfile.PlanDoc`);
