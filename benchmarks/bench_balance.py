@@ -85,7 +85,7 @@ def predict(overrides: list[str]) -> float:
     from k3sched.config import load_config
     from k3sched.planner import plan
 
-    return float(plan(load_config(TINY, overrides)).metrics["step_time_us"])
+    return float(plan(load_config(TINY, overrides)).metrics.step_time_us)
 
 
 def main() -> int:

@@ -57,7 +57,7 @@ def main() -> None:
         res = solve_free(cfg, hint_plans=list(plains.values()), deterministic_time=a.dtime, time_limit_s=3600)
         wall = time.perf_counter() - t0
         suite.check_schedule(cfg, res)
-        steps = {k: p.metrics["step_time_us"] for k, p in plains.items()}
+        steps = {k: p.metrics.step_time_us for k, p in plains.items()}
         heur = steps.get("1f1b")
         assert all(res.makespan_us <= s + res.rounding_us + 1e-6 for s in steps.values())
         lo = heur / res.makespan_us - 1 if heur else None

@@ -38,10 +38,10 @@ def main() -> None:
         k_cpu, _, k = best_of(lambda: plan(cfg, "k3"))
         s_cpu, _, s = best_of(lambda: plan(cfg, "serial"))
         km, sm = k.metrics, s.metrics
-        print(f"{name:<12} {k.pipeline:<17} {km['num_tasks']:>7} {k_cpu:>16.3f} {s_cpu:>16.3f} "
-              f"{km['step_time_us'] / 1e3:>11.1f} {sm['step_time_us'] / 1e3:>10.1f} "
-              f"{km['step_time_us'] / sm['step_time_us']:>9.3f} {km['step_time_us'] / km['lower_bound_us']:>7.3f} "
-              f"{km['exposed_ep_ratio'] * 100:>9.2f}%")
+        print(f"{name:<12} {k.pipeline:<17} {km.num_tasks:>7} {k_cpu:>16.3f} {s_cpu:>16.3f} "
+              f"{km.step_time_us / 1e3:>11.1f} {sm.step_time_us / 1e3:>10.1f} "
+              f"{km.step_time_us / sm.step_time_us:>9.3f} {km.step_time_us / km.lower_bound_us:>7.3f} "
+              f"{km.exposed_ep_ratio * 100:>9.2f}%")
     cfg = load_config(ROOT / "configs" / "k2-like.yaml")
     plan_out_row(cfg)
     print(f"K2-like full step: {cfg.parallel.pp} stages x {cfg.parallel.vpp} chunks, {cfg.parallel.microbatches} "
@@ -58,7 +58,7 @@ def plan_out_row(cfg, n: int = 3) -> None:
     import gc
 
     from k3sched import render
-    from k3sched.p2pcheck import check_plan
+    from k3sched.p2pcheck import check_p2p_transfers
 
     walls, cpus = [], []
     for _ in range(n):
@@ -72,7 +72,7 @@ def plan_out_row(cfg, n: int = 3) -> None:
             cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     p = plan(cfg)
     gc.freeze()
-    parts = {"P2P check": lambda: check_plan(p), "plan.json": lambda: render.dumps_plan_bytes(p),
+    parts = {"P2P check": lambda: check_p2p_transfers(p), "plan.json": lambda: render.dumps_plan_bytes(p),
              "trace": lambda: render.dumps_trace_bytes(p)}
     with tempfile.TemporaryDirectory() as d:
         parts["png"] = lambda: render.png_timeline(p, Path(d) / "t.png")

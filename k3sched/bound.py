@@ -235,7 +235,7 @@ def gap_report(plan: "Plan") -> dict:
     ready during the idle time and ran later), ``other``. With the step time, both bounds and the
     per-stage memory bound's warm-up idle."""
     g, tasks = plan.graph, plan.tasks
-    step = plan.metrics["step_time_us"]
+    step = plan.metrics.step_time_us
     membound = stage_memory_bounds(g)
     stages = []
     for s in range(plan.cfg.parallel.pp):
@@ -258,8 +258,8 @@ def gap_report(plan: "Plan") -> dict:
         stages.append({"stage": s, "busy_us": round(busy, 3), "idle_us": round(step - busy, 3),
                        **{k: round(v, 3) for k, v in row.items()},
                        "memory_warmup_idle_us": round(membound[s]["warmup_idle_us"], 3)})
-    return {"step_time_us": step, "lower_bound_us": plan.metrics["lower_bound_us"],
-            "memory_lower_bound_us": plan.metrics.get("memory_lower_bound_us"), "stages": stages}
+    return {"step_time_us": step, "lower_bound_us": plan.metrics.lower_bound_us,
+            "memory_lower_bound_us": plan.metrics.memory_lower_bound_us, "stages": stages}
 
 
 def format_gap_report(plan: "Plan") -> str:

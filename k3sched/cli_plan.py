@@ -18,26 +18,26 @@ def _gib(b: float) -> str:
 
 def summary_table(p, title: str | None = None) -> Table:
     m = p.metrics
-    step, lb = m["step_time_us"], m["lower_bound_us"]
+    step, lb = m.step_time_us, m.lower_bound_us
     t = Table(title=title or f"{p.cfg.model.name}: strategy {p.strategy}, pipeline {p.pipeline}", title_justify="left")
-    before = m.get("peak_device_bytes_before_offload")
-    offloaded = before is not None and before != m["peak_device_bytes"]
+    before = m.peak_device_bytes_before_offload
+    offloaded = before is not None and before != m.peak_device_bytes
     names = ["stage", "compute busy", "bubble", "exposed comm", "exposed EP ms"]
     names += ["device GiB w/o offload"] if offloaded else []
     names += ["peak device GiB", "host GiB", "peer GiB"]
     for name in names:
         t.add_column(name, justify="right", no_wrap=True)
     for s in range(p.cfg.parallel.pp):
-        b = m["bubble_ratio"][s]["compute"]
-        cells = [str(s), f"{(1 - b) * 100:.1f}%", f"{b * 100:.1f}%", f"{m['exposed_comm_ratio'][s] * 100:.1f}%",
-                 f"{m['exposed_comm_us'][s]['ep'] / 1e3:.2f}"]
+        b = m.bubble_ratio[s]["compute"]
+        cells = [str(s), f"{(1 - b) * 100:.1f}%", f"{b * 100:.1f}%", f"{m.exposed_comm_ratio[s] * 100:.1f}%",
+                 f"{m.exposed_comm_us[s]['ep'] / 1e3:.2f}"]
         cells += [_gib(before[s])] if offloaded else []
-        cells += [_gib(m["peak_device_bytes"][s]), _gib(m["peak_host_bytes"][s]), _gib(m["peak_peer_bytes"][s])]
+        cells += [_gib(m.peak_device_bytes[s]), _gib(m.peak_host_bytes[s]), _gib(m.peak_peer_bytes[s])]
         t.add_row(*cells)
     t.caption = (f"step {step / 1e3:.3f} ms | lower bound {lb / 1e3:.3f} ms (x{step / lb:.3f}) | "
-                 f"exposed EP {m['exposed_ep_ratio'] * 100:.2f}% of step | budget {_gib(m['budget_bytes'])} GiB | "
-                 f"offloaded sets {m['offloaded_sets']['local']} local + {m['offloaded_sets']['remote']} remote of "
-                 f"{m['offloaded_sets']['total']} | {m['num_tasks']} tasks")
+                 f"exposed EP {m.exposed_ep_ratio * 100:.2f}% of step | budget {_gib(m.budget_bytes)} GiB | "
+                 f"offloaded sets {m.offloaded_sets['local']} local + {m.offloaded_sets['remote']} remote of "
+                 f"{m.offloaded_sets['total']} | {m.num_tasks} tasks")
     return t
 
 
@@ -63,10 +63,10 @@ def read_torch_csv(cfg, path: Path):
 def p2p_refusal(p) -> str | None:
     """Why ``p`` would hang under NCCL point-to-point semantics (one line), or None ([Note: NCCL
     P2P model] in k3sched/p2pcheck.py)."""
-    from .p2pcheck import P2PDeadlock, check_plan
+    from .p2pcheck import P2PDeadlock, check_p2p_transfers
 
     try:
-        check_plan(p)
+        check_p2p_transfers(p)
     except P2PDeadlock as e:
         return str(e)
     return None
@@ -80,7 +80,7 @@ def print_report(console, p, timeline: bool = False, gap: bool = False) -> None:
         from .seqslice import slices_line
 
         console.print(slices_line(p), highlight=False, markup=False, soft_wrap=True)
-    e = p.metrics.get("expected")
+    e = p.metrics.expected
     if e:  # [Note: task-time spread] in k3sched/variability.py
         ov = ", ".join("-" if r is None else f"{r * 100:.0f}%" for r in e["comm_overlap_ratio"])
         console.print(f"expected with the task-time spread (cv {e['task_time_cv']:g}"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .config import Config, ConfigError, config_from_dict, load_config
 from .pipelines import PIPELINES
 from .pipelines import TABLE as PIPELINE_TABLE
+from .planfile import ranking_step
 from .tasks import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,23 +112,23 @@ def _row(cfg: Config, schedule: str, strategy: str) -> Row:
     row.plan_s = time.perf_counter() - t0
     m = p.metrics
     per = PIPELINE_TABLE[cfg.schedule.pipeline].steps  # pipedream-2bw: a plan of two steps, shown per step
-    step = m["step_time_us"] / per
+    step = m.step_time_us / per
     pp = cfg.parallel.pp
     row.step_us = step
-    row.lower_bound_us = m["lower_bound_us"] / per
-    row.ratio_to_bound = step / row.lower_bound_us if m["lower_bound_us"] else None
-    row.bubble = sum(b["compute"] for b in m["bubble_ratio"]) / pp
-    ep = sum(e["ep"] for e in m["exposed_comm_us"]) / pp / per
-    coll = sum(e["collective"] for e in m["exposed_comm_us"]) / pp / per
+    row.lower_bound_us = m.lower_bound_us / per
+    row.ratio_to_bound = step / row.lower_bound_us if m.lower_bound_us else None
+    row.bubble = sum(b["compute"] for b in m.bubble_ratio) / pp
+    ep = sum(e["ep"] for e in m.exposed_comm_us) / pp / per
+    coll = sum(e["collective"] for e in m.exposed_comm_us) / pp / per
     row.exposed_ep_us, row.exposed_collective_us = ep, coll
     row.exposed_ep_ratio = ep / step if step else 0.0
     row.exposed_collective_ratio = coll / step if step else 0.0
-    row.peak_device = [int(b) for b in m["peak_device_bytes"]]
+    row.peak_device = [int(b) for b in m.peak_device_bytes]
     row.peak_device_max = max(row.peak_device)
     row.p2p_bytes = sum(t.bytes for t in p.tasks.values() if t.kind in (Kind.FWD_SEND, Kind.BWD_SEND)) // per
-    row.num_tasks = m["num_tasks"]
-    if m.get("expected"):  # [Note: ranking with a task-time spread]
-        row.expected_us = m["expected"]["step_time_us"] / per
+    row.num_tasks = m.num_tasks
+    if m.expected_step_us is not None:  # [Note: ranking with a task-time spread]
+        row.expected_us = m.expected_step_us / per
     row.plan = p
     return row
 
@@ -161,7 +162,7 @@ def rank_us(r: Row) -> float:
     mean time; where durations spread, a plan whose transfers are hidden with little slack loses
     more of its overlap than one with room, so two plans' planned steps can rank them the wrong way
     round (the mean of a maximum is above the maximum of the means)."""
-    return r.expected_us if r.expected_us is not None else r.step_us
+    return ranking_step(r.step_us, r.expected_us)
 
 
 def best_row(rows: list[Row], strategy: str = "k3") -> Row | None:
@@ -327,7 +328,7 @@ def compare_orders(cfg: Config, orders: list[str] | None = None) -> list[OrderRo
         pairs: list[tuple[int, int]] = []
         try:
             planned = plan(config_from_dict(data))
-            row.step_us = float(planned.metrics["step_time_us"])
+            row.step_us = float(planned.metrics.step_time_us)
             pairs = p2p_pairs(planned)
         except ValueError as e:
             row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -400,8 +401,8 @@ def compare_slices(cfg: Config, chunks: list[int], splits: list[str]) -> list[Sl
                 data = cfg.to_dict()
                 data["parallel"] = {**data["parallel"], "seq_chunks": n, "seq_split": split}
                 p = plan(config_from_dict(data))
-                row.step_us = float(p.metrics["step_time_us"])
-                row.peak_device_max = int(max(p.metrics["peak_device_bytes"]))
+                row.step_us = float(p.metrics.step_time_us)
+                row.peak_device_max = int(max(p.metrics.peak_device_bytes))
                 times = slice_times_us(p)
                 row.largest_slice_us = max(times) if times else None
             except ValueError as e:

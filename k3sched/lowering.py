@@ -34,49 +34,12 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .tasks import LANES, Kind
+from .planfile import PlanTask
+from .tasks import LANES
 
 
 class LoweringError(ValueError):
     """A stage the lowering cannot turn into a lane program; one line naming the task."""
-
-
-@dataclass(frozen=True)
-class PlanTask:
-    """One task of this rank's stage, as plan.json lists it (the fields the runtime needs)."""
-
-    id: str
-    kind: Kind
-    lane: str
-    stage: int
-    chunk: int
-    mb: int | None
-    layer: int | None
-    deps: tuple[str, ...] = ()
-    start_deps: tuple[str, ...] = ()
-    bucket: int | None = None
-    bytes: int = 0
-    buffer: str | None = None
-    peer_stage: int | None = None
-    start_us: float = 0.0
-    end_us: float = 0.0
-    slice: int | None = None
-    """The micro-batch's sequence slice (None: the whole sequence; [Note: task id grammar])."""
-
-    @classmethod
-    def from_json(cls, t: Mapping, start_deps: tuple[str, ...] = ()) -> PlanTask:
-        return cls(id=t["id"], kind=Kind(t["kind"]), lane=t["lane"], stage=int(t["stage"]), chunk=int(t["chunk"]),
-                   mb=t.get("mb"), layer=t.get("layer"), deps=tuple(t.get("deps") or ()), start_deps=start_deps,
-                   bucket=id_bucket(t["id"]), bytes=int(t.get("bytes") or 0), buffer=t.get("buffer"),
-                   peer_stage=t.get("peer_stage"), start_us=float(t.get("start_us") or 0.0),
-                   end_us=float(t.get("end_us") or 0.0), slice=t.get("slice"))
-
-
-def id_bucket(tid: str) -> int | None:
-    """The bucket N of a task id that ends in ``.bN``, else None ([Note: task id grammar]: a kind's
-    phase is letters, so the last ``.b`` followed by digits only is the bucket suffix)."""
-    _, dot, n = tid.rpartition(".b")
-    return int(n) if dot and n.isdigit() else None
 
 
 Lanes = Mapping[str, Sequence[PlanTask]]

@@ -10,6 +10,7 @@ from collections import defaultdict
 import numpy as np
 
 from .graph import StepGraph
+from .planfile import PlanMetrics
 from .simulator import MemoryTimeline, memory_timeline
 from .tasks import LANE_INDEX, LANES, Task
 
@@ -133,7 +134,9 @@ def lower_bound_us(g: StepGraph, paths: tuple | None = None) -> tuple[float, flo
     return bound, cp, busy
 
 
-def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline]) -> dict:
+def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline]) -> PlanMetrics:
+    """The figures of a planned step that its graph and memory give; the planner adds its own
+    (the device peaks with peer memory, the offload and budget fields)."""
     pp = g.cfg.parallel.pp
     tasks = list(g.tasks.values())
     step = max((t.end_us for t in tasks), default=0.0)
@@ -168,21 +171,22 @@ def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline])
         if sp in peaks:
             peaks[sp][s] = int(tl.peak)
     ep_exposed = sum(e["ep"] for e in exposed_us)
-    return {
-        "step_time_us": round(step, 3),
-        "lower_bound_us": round(lb, 3),
-        "memory_lower_bound_us": round(mlb, 3),
-        "critical_path_us": round(cp, 3),
-        "max_lane_busy_us": round(lb_lanes, 3),
-        "bubble_ratio": bubble,
-        "exposed_comm_ratio": exposed,
-        "exposed_comm_us": exposed_us,
-        "exposed_ep_ratio": round(ep_exposed / (pp * step), 6) if step else 0.0,
-        "peak_device_bytes": peaks["device"],
-        "peak_host_bytes": peaks["host"],
-        "peak_peer_bytes": peaks["peer"],
-        "num_tasks": len(tasks),
-    }
+    # the planner's own figures, not a file: built as they are, unchecked (the check is for files)
+    return PlanMetrics.model_construct(
+        step_time_us=round(step, 3),
+        lower_bound_us=round(lb, 3),
+        memory_lower_bound_us=round(mlb, 3),
+        critical_path_us=round(cp, 3),
+        max_lane_busy_us=round(lb_lanes, 3),
+        bubble_ratio=bubble,
+        exposed_comm_ratio=exposed,
+        exposed_comm_us=exposed_us,
+        exposed_ep_ratio=round(ep_exposed / (pp * step), 6) if step else 0.0,
+        peak_device_bytes=peaks["device"],
+        peak_host_bytes=peaks["host"],
+        peak_peer_bytes=peaks["peer"],
+        num_tasks=len(tasks),
+    )
 
 
 def _device_memory(g: StepGraph, tasks: list[Task]) -> dict[tuple[int, str], MemoryTimeline]:

@@ -2,7 +2,7 @@
 
 [Note: NCCL P2P model]
 gloo buffers where NCCL blocks, and NCCL ignores tags, so a plan that trains on gloo can hang on
-GPUs. :func:`check_plan` executes a plan abstractly, one rank per PP stage (the ranks of a stage
+GPUs. :func:`check_p2p_transfers` executes a plan abstractly, one rank per PP stage (the ranks of a stage
 run the same lanes; their collectives on ep / dense / expert / optim groups involve that stage
 only), under these rules:
 
@@ -75,7 +75,7 @@ def _view(plan) -> _View:
     stage as the runtime lowers it (:func:`k3sched.lowering.lower_stage`; no runtime data edges).
     Raises :class:`k3sched.lowering.LoweringError` for a stage that cannot be lowered."""
     if not isinstance(plan, Mapping):
-        from .render import plan_to_json
+        from .planfile import plan_to_json
 
         plan = plan_to_json(plan, native=True)  # read once into PlanTasks, which copy what they keep
     lanes: dict[int, dict[str, list[PlanTask]]] = {}
@@ -340,7 +340,7 @@ def analyse(plan, comms: str = "directed") -> Result:
                   f"{', '.join(map(str, stages))}: {text}", ids, n)
 
 
-def check_plan(plan, comms: str = "directed") -> int:
+def check_p2p_transfers(plan, comms: str = "directed") -> int:
     """Raise :class:`P2PDeadlock` (one line) when ``plan`` (plan.json dict or Plan) cannot
     complete under the [Note: NCCL P2P model]; else return the number of transfers checked."""
     r = analyse(plan, comms)

@@ -38,6 +38,7 @@ from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
 from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared, _retime
 from .pipelines import TABLE
+from .planfile import PlanMetrics
 from .seqslice import seq1f1b
 from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
     _covered_each, _device_memory, _device_peak_per_stage, _merge, alone_shares, compute_metrics, lower_bound_us,
@@ -59,7 +60,7 @@ class Plan:
     pipeline: str
     lane_orders: dict[tuple[int, str], list[str]]
     memory: dict[tuple[int, str], MemoryTimeline]
-    metrics: dict
+    metrics: PlanMetrics
     backbone: dict[int, list]  # per rank: slots (for display and export)
 
     @property
@@ -584,15 +585,14 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
         cfg = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(
             update={"lookahead": level[0], "wgrad_lag": level[1]})})
     g = search.finish(att)
-    metrics = compute_metrics(g, att.memory)
-    metrics["peak_device_bytes"] = att.peaks
-    metrics["offloaded_sets"] = {"local": len(chosen.local), "remote": len(chosen.remote),
-                                 "total": len(search.all_sets)}
-    metrics["budget_bytes"] = budget
-    # per-stage peak before the planner offloaded anything (policy auto; None otherwise)
-    metrics["peak_device_bytes_before_offload"] = out.first_peaks if policy in ("auto", "remote") else None
-    if level != levels[0]:
-        metrics["memory_lean"] = {"lookahead": level[0], "wgrad_lag": level[1]}
-    if spread_active(cfg, search.cost):  # [Note: task-time spread] in k3sched/variability.py
-        metrics["expected"] = expected(g.tasks, att.lane_orders, cfg, search.cost, serial=strategy == "serial")
+    metrics = compute_metrics(g, att.memory).model_copy(update={
+        "peak_device_bytes": att.peaks,
+        "offloaded_sets": {"local": len(chosen.local), "remote": len(chosen.remote), "total": len(search.all_sets)},
+        "budget_bytes": budget,
+        # per-stage peak before the planner offloaded anything (policy auto; None otherwise)
+        "peak_device_bytes_before_offload": out.first_peaks if policy in ("auto", "remote") else None,
+        "memory_lean": {"lookahead": level[0], "wgrad_lag": level[1]} if level != levels[0] else None,
+        # [Note: task-time spread] in k3sched/variability.py
+        "expected": expected(g.tasks, att.lane_orders, cfg, search.cost, serial=strategy == "serial")
+        if spread_active(cfg, search.cost) else None})
     return Plan(cfg, g, strategy, sched.name, att.lane_orders, att.memory, metrics, ranks)

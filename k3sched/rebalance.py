@@ -254,7 +254,7 @@ def propose(plan_doc: dict, lt: LayerTimes, profile_path: str) -> Proposal:
     if split_layers(cfg_after) != after:  # the planner reads the profile written for it
         raise AssertionError("the profile split of the written config differs from the proposal")
     return Proposal(before, after, stage_us(src, lt, before), stage_us(src, lt, after),
-                    float(plan(src).metrics["step_time_us"]), float(plan(cfg_after).metrics["step_time_us"]),
+                    float(plan(src).metrics.step_time_us), float(plan(cfg_after).metrics.step_time_us),
                     cfg_after.to_dict(), lt)
 
 

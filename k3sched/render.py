@@ -5,18 +5,16 @@ All of them are views of one :class:`~k3sched.planner.Plan`; nothing here change
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cost import CostModel
-from .tasks import LANES, FWD_KINDS, Kind, Task, WGRAD_KINDS
+# plan.json is k3sched.planfile's; its writer is here too, beside the plan's other outputs
+from .planfile import PLAN_FORMAT, dumps_json, dumps_plan, dumps_plan_bytes, gc_paused, plan_to_json  # noqa: F401
+from .tasks import LANES, FWD_KINDS, Kind, WGRAD_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import Plan
-
-PLAN_FORMAT = "k3sched.plan/1"
 
 # One character per task category in the ASCII timeline (legend printed under it).
 _GLYPH = {
@@ -42,103 +40,9 @@ def glyph(kind: Kind) -> str:
     return "B"
 
 
-def task_json(t: Task, native: bool = False) -> dict:
-    """One task of plan.json. ``native``: the values orjson writes as the same JSON without a
-    copy (the :class:`~k3sched.tasks.Kind` enum, the :class:`~k3sched.tasks.Mem` dataclasses, the
-    deps list itself; [Note: plan.json as written]); else plain JSON types."""
-    a, f = t.alloc, t.free
-    rel = t.release
-    out = {
-        "id": t.id, "kind": t.kind if native else t.kind.value, "lane": t.lane, "stage": t.stage,
-        "chunk": t.chunk, "mb": t.mb, "layer": t.layer, "start_us": round(t.start_us, 3),
-        "end_us": round(t.end_us, 3), "deps": t.deps if native else list(t.deps),
-        "mem": {"alloc": a, "free": f} if native else
-               {"alloc": {"device": a.device, "host": a.host, "peer": a.peer},
-                "free": {"device": f.device, "host": f.host, "peer": f.peer}},
-        "bytes": t.bytes, "buffer": t.buffer,
-        "peer_stage": t.peer_stage, "duration_us": round(t.duration_us, 3),
-        "release": None if rel is None else {"stage": rel[0], "device": rel[1]},
-    }
-    if t.slice is not None:  # only sliced plans carry the field ([Note: task id grammar])
-        out["slice"] = t.slice
-    return out
-
-
-def plan_to_json(plan: "Plan", native: bool = False) -> dict:
-    """The plan.json document (format ``k3sched.plan/1``, see docs/formats.md); ``native``: its
-    tasks as :func:`task_json` ``native`` makes them, for :func:`dumps_plan_bytes` only."""
-    tasks = plan.tasks
-    stages = []
-    start_deps = sorted(plan.graph.start_deps.items())
-    for s in range(plan.cfg.parallel.pp):
-        lanes = {lane: [task_json(tasks[tid], native) for tid in plan.lane_orders[(s, lane)]] for lane in LANES}
-        stages.append({"stage": s, "lanes": lanes,
-                       "start_deps": {tid: d for tid, d in start_deps if tasks[tid].stage == s}})
-    return {
-        "format": PLAN_FORMAT,
-        "config": plan.cfg.to_dict(),
-        "strategy": plan.strategy,
-        "pipeline": plan.pipeline,
-        "lanes": list(LANES),
-        "shared_links": [list(g) for g in CostModel(plan.cfg).shared_links()],
-        "backbone": {str(r): [None if x is None else str(x) for x in slots] for r, slots in plan.backbone.items()},
-        "stages": stages,
-        "metrics": _jsonable(plan.metrics),
-    }
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if hasattr(x, "item"):
-        return x.item()
-    return x
-
-
-def dumps_json(doc: dict, indent: bool = False) -> bytes:
-    """``doc`` as UTF-8 JSON bytes (orjson: numpy arrays and scalars allowed); ``indent``: two spaces
-    per level. The same document gives the same bytes, run to run."""
-    import orjson
-
-    opt = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_INDENT_2 if indent else 0)
-    return orjson.dumps(doc, option=opt)
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """[Note: no GC while building outputs] The cyclic collector off while a document of
-    hundreds of thousands of dicts is built: each collection of the older generations walks the
-    whole heap (the plan's tasks included) and finds nothing, the documents being trees, so on a
-    large plan it takes a large share of the outputs' CPU. Restored as it was after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def dumps_plan_bytes(plan: "Plan") -> bytes:
-    """plan.json as written: two-space indented JSON (orjson) and a final newline.
-
-    [Note: plan.json as written] orjson writes an Enum as its value, a dataclass as an object of
-    its fields in order and a list in place, so the tasks are handed to it as they are (no copy
-    of each Kind, Mem and deps list): the same bytes as :func:`plan_to_json`'s plain document
-    (tests/test_outputs.py compares the two), in half the time."""
-    with _gc_paused():
-        return dumps_json(plan_to_json(plan, native=True), indent=True) + b"\n"
-
-
-def dumps_plan(plan: "Plan") -> str:
-    return dumps_plan_bytes(plan).decode()
-
-
 def dumps_trace_bytes(plan: "Plan") -> bytes:
     """plan.trace.json as written (compact JSON, see :func:`perfetto_trace`)."""
-    with _gc_paused():
+    with gc_paused():
         return dumps_json(perfetto_trace(plan))
 
 
@@ -190,7 +94,7 @@ def perfetto_trace(plan: "Plan") -> dict:
 def ascii_timeline(plan: "Plan", width: int = 100, stages: list[int] | None = None) -> str:
     """One row per (stage, lane); each column is step_time/width µs, showing the task that covers
     most of it. Lanes with no tasks are left out."""
-    step = plan.metrics["step_time_us"] or 1.0
+    step = plan.metrics.step_time_us or 1.0
     col = step / width
     lines = [f"timeline: {step / 1e3:.3f} ms, one column = {col / 1e3:.3f} ms"]
     tasks = plan.tasks
@@ -247,7 +151,7 @@ def _lane_image(plan: "Plan", width: int, row_h: int, gap: int) -> "tuple[object
 
     rows = [(s, lane) for s in range(plan.cfg.parallel.pp) for lane in LANES]
     img = np.full((len(rows) * row_h, width, 3), 255, np.uint8)
-    step = plan.metrics["step_time_us"] or 1.0
+    step = plan.metrics.step_time_us or 1.0
     scale = width / step
     palette = {g: np.array(_rgb(c), np.uint8) for g, c in _COLORS.items()}
     tasks = plan.tasks
@@ -304,9 +208,9 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
     y = legend_h
     for k, (plan, img, labels, rh) in enumerate(blocks):
         m = plan.metrics
-        step = m["step_time_us"] or 1.0
+        step = m.step_time_us or 1.0
         title = titles[k] if titles else f"{plan.strategy} / {plan.pipeline}"
-        draw.text((left, y + 4), f"{title}: step {step / 1e3:.2f} ms (lower bound {m['lower_bound_us'] / 1e3:.2f} "
+        draw.text((left, y + 4), f"{title}: step {step / 1e3:.2f} ms (lower bound {m.lower_bound_us / 1e3:.2f} "
                                  f"ms)", fill="black", font=font)
         y += title_h
         canvas.paste(Image.fromarray(img), (left, y))
@@ -334,7 +238,7 @@ def _memory_panel(draw, plan: "Plan", left: int, width: int, y: int, mem_h: int,
     import numpy as np
 
     m = plan.metrics
-    budget = m.get("budget_bytes", 0)
+    budget = m.budget_bytes or 0
     peak = max([float(tl.bytes.max()) for (s, sp), tl in plan.memory.items()
                 if sp == "device" and len(tl.bytes)] + [float(budget), 1.0])
     ytop, ybot = y, y + mem_h

@@ -202,6 +202,14 @@ def format_task_id(stage: int, kind: Kind, *, mb: int | None = None, layer: int 
     return f"s{stage}/{scope}/{(kind if isinstance(kind, Kind) else Kind(kind)).value}{suffix}"
 
 
+def id_bucket(tid: str) -> int | None:
+    """The bucket N of a task id that ends in ``.bN``, else None: :func:`parse_task_id`'s bucket
+    without parsing the rest ([Note: task id grammar]: a kind's phase is letters, so the last
+    ``.b`` followed by digits only is the bucket suffix)."""
+    _, dot, n = tid.rpartition(".b")
+    return int(n) if dot and n.isdigit() else None
+
+
 def parse_task_id(task_id: str) -> TaskKey:
     """Parse a task id; raises ValueError naming the id when it does not follow the grammar."""
     m = _ID_RE.match(task_id)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .config import GiB, Config, ConfigError, config_from_dict
 from .pipelines import TABLE as PIPELINE_TABLE
+from .planfile import ranking_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -112,7 +113,7 @@ class Result:
     def rank_us(self) -> float | None:
         """What the search minimises: the expected step when the config has a task-time spread,
         else the planned step ([Note: ranking with a task-time spread] in k3sched/compare.py)."""
-        return self.expected_us if self.expected_us is not None else self.step_us
+        return ranking_step(self.step_us, self.expected_us)
 
     def set_args(self) -> list[str]:
         return [f"{k}={_yaml(v)}" for k, v in sorted(self.overrides.items())]
@@ -189,10 +190,10 @@ def plan_metrics(data: dict[str, Any]) -> dict[str, Any]:
         return {"error": (str(e).splitlines() or [type(e).__name__])[0], "plan_s": time.perf_counter() - t0}
     m = p.metrics
     pp = cfg.parallel.pp
-    return {"step_us": float(m["step_time_us"]), "lower_bound_us": float(m["lower_bound_us"]),
-            "peak_device": int(max(m["peak_device_bytes"])), "exposed_ep_ratio": float(m["exposed_ep_ratio"]),
-            "bubble": float(sum(b["compute"] for b in m["bubble_ratio"]) / pp),
-            **({"expected_us": float(m["expected"]["step_time_us"])} if m.get("expected") else {}),
+    return {"step_us": float(m.step_time_us), "lower_bound_us": float(m.lower_bound_us),
+            "peak_device": int(max(m.peak_device_bytes)), "exposed_ep_ratio": float(m.exposed_ep_ratio),
+            "bubble": float(sum(b["compute"] for b in m.bubble_ratio) / pp),
+            **({"expected_us": float(m.expected_step_us)} if m.expected_step_us is not None else {}),
             "plan_s": time.perf_counter() - t0}
 
 

@@ -122,7 +122,7 @@ PLANNED_ONLY = {n: p.planned_only for n, p in PIPELINE_TABLE.items() if p.planne
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
     """Validate before launching; returns (cfg, plan doc) or raises ValueError (one line)."""
     from k3sched.config import ConfigError, load_config
-    from k3sched.p2pcheck import P2PDeadlock, check_plan
+    from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
     from k3sched.planner import InfeasibleBudget, plan
     from k3sched.render import plan_to_json
     from k3sched.simulator import DeadlockError
@@ -147,7 +147,7 @@ def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int |
     except ValueError as e:
         raise ValueError(f"schedule.pipeline: {e}") from None
     try:
-        check_plan(doc)  # [Note: NCCL P2P model]: a plan that would hang under NCCL is refused
+        check_p2p_transfers(doc)  # [Note: NCCL P2P model]: a plan that would hang under NCCL is refused
     except P2PDeadlock as e:
         raise ValueError(str(e)) from None
     kinds = {t["kind"] for st in doc["stages"] for ts in st["lanes"].values() for t in ts}

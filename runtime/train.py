@@ -358,7 +358,7 @@ def _setup(args: argparse.Namespace, launch) -> _Setup:
 def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
     """Plan the step; every rank's plan must be byte-identical and NCCL-safe; rank 0 writes plan.json."""
     from k3sched.config import ConfigError
-    from k3sched.p2pcheck import P2PDeadlock, check_plan
+    from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
     from k3sched.planner import InfeasibleBudget, plan
     from k3sched.render import plan_to_json
 
@@ -372,7 +372,7 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
     plan_bytes = json.dumps(doc, indent=1).encode()
     verify_same_plan(plan_bytes)
     try:
-        check_plan(doc)  # [Note: NCCL P2P model]
+        check_p2p_transfers(doc)  # [Note: NCCL P2P model]
     except P2PDeadlock as e:
         raise UserError(str(e)) from None
     if rank == 0:
@@ -659,7 +659,9 @@ def _busy_fields(doc: dict, busy: list[list[list[float]]]) -> dict:
 def _expected_fields(doc: dict, measured_us: float) -> dict:
     """The plan's expected step under its task-time spread, when it has one ([Note: task-time
     spread] in k3sched/variability.py), and the measured step over it."""
-    exp = (doc["metrics"].get("expected") or {}).get("step_time_us")
+    from k3sched.planfile import PlanMetrics
+
+    exp = PlanMetrics.model_construct(**doc["metrics"]).expected_step_us  # the planner's own, as planned here
     if not exp:
         return {}
     return {"expected_step_time_us": float(exp), "measured_over_expected": measured_us / float(exp)}

@@ -156,7 +156,7 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     plans = {}
     for name, ov in ovs.items():
         m = plan(load_config(config, ov)).metrics
-        plans[name] = (float(m["step_time_us"]), (m.get("expected") or {}).get("step_time_us"))
+        plans[name] = (float(m.step_time_us), m.expected_step_us)
     runs: dict[str, list[tuple[float, tuple[float, float] | None, float | None]]] = {n: [] for n in targets}
     last = None
     k = 0

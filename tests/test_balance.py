@@ -185,7 +185,7 @@ def test_good_placement_plans_with_its_loads(tmp_path: Path) -> None:
     assert load_factors(cfg)[0] == pytest.approx(2 * max(shares))
     from k3sched.planner import plan
 
-    assert plan(cfg).metrics["step_time_us"] > 0
+    assert plan(cfg).metrics.step_time_us > 0
 
 
 @pytest.mark.parametrize("doc,words", [

@@ -88,7 +88,7 @@ def test_offload_only_lowers_the_bound():
 def test_plan_reports_memory_bound_and_gap_causes():
     p = plan(load_config(CONFIGS / "tiny-cpu.yaml", []))
     m = p.metrics
-    assert m["lower_bound_us"] <= m["memory_lower_bound_us"] <= m["step_time_us"] + 1e-3
+    assert m.lower_bound_us <= m.memory_lower_bound_us <= m.step_time_us + 1e-3
     rep = gap_report(p)
     for st in rep["stages"]:
         causes = sum(v for k, v in st.items() if k not in ("stage", "busy_us", "idle_us", "memory_warmup_idle_us"))

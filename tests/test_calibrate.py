@@ -153,8 +153,8 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     assert fit.comm_cpu_ns_per_byte == pytest.approx(5.0, rel=0.1)
     fitted = write_profile(fit, tmp_path / "fitted.yaml")
     for name, extra in {"source": [], **TARGETS}.items():
-        known = plan(load_config(TINY, source + extra)).metrics["step_time_us"]
-        predicted = plan(load_config(TINY, source + extra + [f"schedule.profile={fitted}"])).metrics["step_time_us"]
+        known = plan(load_config(TINY, source + extra)).metrics.step_time_us
+        predicted = plan(load_config(TINY, source + extra + [f"schedule.profile={fitted}"])).metrics.step_time_us
         assert predicted == pytest.approx(known, rel=0.01), name
 
 

@@ -61,11 +61,11 @@ def test_transfers_beside_compute_are_planned_longer_and_the_serial_plan_is_not(
     # the transfers a k3 plan hides under compute are charged (nearly) the whole wait, exposed ones none
     assert sum(g > 0.9 for g in grown) >= 5 and sum(g < 0.1 for g in grown) >= 5, grown
     assert sum(grown) > 0.2 * len(grown), grown
-    assert waited.metrics["step_time_us"] >= base.metrics["step_time_us"]
+    assert waited.metrics.step_time_us >= base.metrics.step_time_us
     # one task at a time: nothing runs beside a transfer, nothing waits
     s0, s1 = (plan(_cfg(f"hardware.comm_wait_us_per_call={w}"), "serial") for w in (0, WAIT))
     assert [t.duration_us for t in s1.tasks.values()] == [t.duration_us for t in s0.tasks.values()]
-    assert s1.metrics["step_time_us"] == s0.metrics["step_time_us"]
+    assert s1.metrics.step_time_us == s0.metrics.step_time_us
 
 
 def test_without_a_wait_the_plan_file_does_not_name_it():

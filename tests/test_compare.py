@@ -129,7 +129,7 @@ def test_a_task_time_spread_ranks_schedules_by_their_expected_step() -> None:
     rows = compare(cfg, ["chimera", "dualpipev"])
     by = {r.label: r for r in rows}
     for r in rows:
-        assert r.ok and r.expected_us == pytest.approx(r.plan.metrics["expected"]["step_time_us"])
+        assert r.ok and r.expected_us == pytest.approx(r.plan.metrics.expected["step_time_us"])
     k3 = [by["chimera-k3"], by["dualpipev-k3"]]
     assert by["chimera-k3"].step_us < by["dualpipev-k3"].step_us, "the planned ranking no longer differs here"
     assert by["chimera-k3"].expected_us > by["dualpipev-k3"].expected_us

@@ -34,7 +34,7 @@ def test_a_stage_computing_alone_runs_the_factor_of_its_time(strategy):
     extra = PP2 + ["hardware.comm_cpu_ns_per_byte=0", "hardware.comm_cpu_us_per_call=0"] \
         + (["schedule.strategy=serial"] if strategy == "serial" else [])
     base, fast = _plan(extra), _plan(extra + ["hardware.compute_alone_factor=0.8"])
-    assert fast.metrics["step_time_us"] < 0.97 * base.metrics["step_time_us"]
+    assert fast.metrics.step_time_us < 0.97 * base.metrics.step_time_us
     b, f = _tasks(base), _tasks(fast)
     first = "s0/mb0/L0/attn.fwd"  # stage 1 has nothing to compute yet: alone for its whole span
     assert f[first].duration_us == pytest.approx(0.8 * b[first].duration_us, rel=1e-6)
@@ -48,7 +48,7 @@ def test_a_stage_computing_alone_runs_the_factor_of_its_time(strategy):
                          ids=["one stage of two ranks", "stages of two ranks", "GPUs"])
 def test_ranks_that_never_compute_alone_are_unchanged(extra):
     a, b = _plan(extra), _plan(extra + ["hardware.compute_alone_factor=0.5"])
-    assert a.metrics["step_time_us"] == b.metrics["step_time_us"]
+    assert a.metrics.step_time_us == b.metrics.step_time_us
     ta, tb = _tasks(a), _tasks(b)
     assert all(ta[i].duration_us == tb[i].duration_us for i in ta)
 
@@ -85,6 +85,6 @@ def test_calibration_from_a_pp_source_takes_the_speedup_back_out(tmp_path):
     prof = write_profile(fit, tmp_path / "fitted.yaml")
     for name, extra in {"source": [], "serial": ["schedule.strategy=serial"],
                         "ep 2": ["parallel.pp=1", "parallel.ep=2"]}.items():
-        known = _plan(source + extra).metrics["step_time_us"]
-        predicted = _plan(source + extra + [f"schedule.profile={prof}"]).metrics["step_time_us"]
+        known = _plan(source + extra).metrics.step_time_us
+        predicted = _plan(source + extra + [f"schedule.profile={prof}"]).metrics.step_time_us
         assert predicted == pytest.approx(known, rel=0.01), name

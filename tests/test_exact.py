@@ -91,7 +91,7 @@ def _ref(res) -> float:
 @pytest.mark.parametrize("name", _marks(KNOWN_GAPS))
 def test_k3_within_5pct_of_exact(name: str, record_property) -> None:
     _, heur, res, free = _solved(name)
-    step = heur.metrics["step_time_us"]
+    step = heur.metrics.step_time_us
     gap, gap_free = step / _ref(res) - 1, step / _ref(free) - 1
     record_property("gap_backbone", round(gap, 5))
     record_property("gap_free", round(gap_free, 5))
@@ -111,8 +111,8 @@ def test_heuristic_is_feasible_for_backbone_model(name: str) -> None:
     pairs = backbone_pairs(heur.graph, heur.backbone, plan_lookahead(heur), cfg.schedule.wgrad_lag)
     assert not gate_violations(pairs, {t: x.start_us for t, x in heur.tasks.items()})
     assert res.hint_makespan_us is not None and res.hints_rejected == 0
-    assert res.hint_makespan_us <= heur.metrics["step_time_us"] + res.num_tasks / res.scale + 1e-6
-    assert res.makespan_us <= heur.metrics["step_time_us"] + res.rounding_us + 1e-6
+    assert res.hint_makespan_us <= heur.metrics.step_time_us + res.num_tasks / res.scale + 1e-6
+    assert res.makespan_us <= heur.metrics.step_time_us + res.rounding_us + 1e-6
     # constrained optimum >= free optimum: any constrained schedule is a free one
     assert res.makespan_us >= free.bound_us - 1e-6
     if res.optimal and free.optimal:
@@ -123,15 +123,15 @@ def test_heuristic_is_feasible_for_backbone_model(name: str) -> None:
 def test_k3_never_worse_than_serial(name: str) -> None:
     cfg = _cfg(name)
     k3, serial = plan(cfg, "k3"), plan(cfg, "serial")
-    assert k3.metrics["step_time_us"] <= serial.metrics["step_time_us"] + 1e-6, (
-        f"{name}: k3 {k3.metrics['step_time_us']:.0f} us > serial {serial.metrics['step_time_us']:.0f} us")
+    assert k3.metrics.step_time_us <= serial.metrics.step_time_us + 1e-6, (
+        f"{name}: k3 {k3.metrics.step_time_us:.0f} us > serial {serial.metrics.step_time_us:.0f} us")
 
 
 @pytest.mark.parametrize("name", list(INSTANCES))
 def test_planner_lower_bound_is_below_exact(name: str) -> None:
     """A valid lower bound never exceeds the optimum; the exact best schedule is >= the optimum."""
     _, heur, res, free = _solved(name)
-    lb = heur.metrics["lower_bound_us"]
+    lb = heur.metrics.lower_bound_us
     for r in (res, free):
         assert lb <= r.makespan_us + 1e-6, f"{name}: planner lower bound {lb:.0f} > exact schedule {r.makespan_us:.0f}"
         # and CP-SAT's proven bound (rounding-corrected) never exceeds the schedule it found

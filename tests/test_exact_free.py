@@ -116,7 +116,7 @@ def test_free_optimum_never_above_a_plain_schedule(name: str, record_property) -
     # model's lanes, dependencies and memory accounting agree with the planner's on each of them
     assert res.hints_rejected == 0 and res.hint_makespan_us is not None
     check_schedule(cfg, res)
-    steps = {k: p.metrics["step_time_us"] for k, p in plains.items()}
+    steps = {k: p.metrics.step_time_us for k, p in plains.items()}
     record_property("best_plain_us", min(steps.values()))
     record_property("exact_us", res.makespan_us)
     print(f"\n{name}: exact {res.status} {res.makespan_us / 1e3:.3f} ms (bound {res.bound_us / 1e3:.3f}), "

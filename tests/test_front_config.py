@@ -332,7 +332,7 @@ def test_memory_bound_is_below_every_real_peak_on_k2():
     bound = memory_lower_bound(cfg)
     assert bound.exact
     p = plan(cfg)
-    assert all(b <= peak for b, peak in zip(bound.per_stage, p.metrics["peak_device_bytes"]))
+    assert all(b <= peak for b, peak in zip(bound.per_stage, p.metrics.peak_device_bytes))
     # a budget at the bound is never refused by it
     at = load_config(K2, [f"schedule.device_memory_budget={max(bound.per_stage) / GiB + 1e-6!r}"])
     check_limits(at)
@@ -364,7 +364,7 @@ def test_task_count_is_exact_and_memory_bound_is_below_the_peak(cfg):
     assert count_tasks(cfg).total == len(g.tasks)
     p = plan(cfg)
     bound = memory_lower_bound(cfg)
-    assert all(b <= peak for b, peak in zip(bound.per_stage, p.metrics["peak_device_bytes"]))
+    assert all(b <= peak for b, peak in zip(bound.per_stage, p.metrics.peak_device_bytes))
 
 
 @pytest.mark.parametrize("override", [[], ["parallel.pp=4", "parallel.microbatches=8"],
@@ -378,7 +378,7 @@ def test_mean_memory_bound_is_below_the_fullest_stage(monkeypatch, override):
     monkeypatch.setattr(limits, "EXACT_SPLIT_STEPS", -1)  # as for a split too large to compute up front
     bound = memory_lower_bound(cfg)
     assert not bound.exact and bound.per_stage[0] > 0
-    assert bound.per_stage[0] <= max(plan(cfg).metrics["peak_device_bytes"])
+    assert bound.per_stage[0] <= max(plan(cfg).metrics.peak_device_bytes)
 
 
 def test_large_split_is_refused_from_the_mean_bound():

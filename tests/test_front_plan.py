@@ -16,8 +16,8 @@ from k3sched.cli import app
 from k3sched.tasks import LANES, Kind
 from traces import synth
 from traces.events import TraceError
-from traces.schema import (KIND_VALUES, PlanError, SchemaError, check_plan, check_report, check_summary,
-                           load_report)
+from k3sched.planfile import KIND_VALUES, PlanFileError, check_plan_doc
+from traces.schema import SchemaError, check_report, check_summary, load_report
 from traces.validate import load_plan
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny-cpu.plan.json"
@@ -53,8 +53,8 @@ def test_kind_and_lane_lists_are_the_task_model():
 
 def test_golden_synthetic_and_planner_plans_load(tmp_path):
     assert load_plan(GOLDEN)["format"] == "k3sched.plan/1"
-    check_plan(PLAN)
-    check_plan(synth.with_remote_peer_tasks(PLAN))
+    check_plan_doc(PLAN)
+    check_plan_doc(synth.with_remote_peer_tasks(PLAN))
     for i, extra in enumerate([[], ["--strategy", "serial"], ["--set", "schedule.offload=all"],
                                ["--set", "schedule.grad_offload=true"], ["--set", "schedule.offload=remote"],
                                ["--set", "schedule.pipeline=zb-v", "--set", "parallel.vpp=2"]]):
@@ -112,18 +112,19 @@ def test_validate_refuses_a_malformed_plan_in_one_line(tmp_path, what, path, val
 
 
 def test_plan_error_names_what_is_allowed():
-    with pytest.raises(PlanError, match=r"kind: must be one of 'attn\.fwd', .*'optim\.run'; got \"attn\.sideways\""):
-        check_plan(_mutate(PLAN, T + ("kind",), "attn.sideways"), "p.json")
-    with pytest.raises(PlanError, match=r"deps: must be a list of task ids \(strings\); got \"xyz\""):
-        check_plan(_mutate(PLAN, T + ("deps",), "xyz"), "p.json")
-    with pytest.raises(PlanError, match=r"end_us: must not be before start_us"):
-        check_plan(_mutate(PLAN, T + ("end_us",), lambda t: t["start_us"] - 1.0), "p.json")
-    with pytest.raises(PlanError, match="appears twice"):
+    with pytest.raises(PlanFileError,
+                       match=r"kind: must be one of 'attn\.fwd', .*'optim\.run'; got \"attn\.sideways\""):
+        check_plan_doc(_mutate(PLAN, T + ("kind",), "attn.sideways"), "p.json")
+    with pytest.raises(PlanFileError, match=r"deps: must be a list of task ids \(strings\); got \"xyz\""):
+        check_plan_doc(_mutate(PLAN, T + ("deps",), "xyz"), "p.json")
+    with pytest.raises(PlanFileError, match=r"end_us: must not be before start_us"):
+        check_plan_doc(_mutate(PLAN, T + ("end_us",), lambda t: t["start_us"] - 1.0), "p.json")
+    with pytest.raises(PlanFileError, match="appears twice"):
         doc = copy.deepcopy(PLAN)
         _at(doc, T[:-1]).append(copy.deepcopy(_at(doc, T)))
-        check_plan(doc)
-    with pytest.raises(PlanError, match="not a k3sched plan"):
-        check_plan({"format": "k3sched.plan/2", "lanes": [], "stages": []})
+        check_plan_doc(doc)
+    with pytest.raises(PlanFileError, match="not a k3sched plan"):
+        check_plan_doc({"format": "k3sched.plan/2", "lanes": [], "stages": []})
 
 
 @pytest.mark.parametrize("field", ["id", "kind", "lane", "stage"])

@@ -61,8 +61,8 @@ def test_layer_optim_shortens_the_tuned_k2_like_step():
     knobs = ["parallel.seq_chunks=4", "schedule.grad_offload=false", "schedule.lookahead=2", "schedule.wgrad_lag=64"]
     plain = plan(load_config(CONFIGS / "k2-like.yaml", knobs)).metrics
     per = plan(load_config(CONFIGS / "k2-like.yaml", knobs + ["schedule.layer_optim=true"])).metrics
-    assert per["step_time_us"] < plain["step_time_us"] - 20e3
-    assert per["memory_lower_bound_us"] <= per["step_time_us"]
+    assert per.step_time_us < plain.step_time_us - 20e3
+    assert per.memory_lower_bound_us <= per.step_time_us
 
 
 @pytest.mark.parametrize("extra, named", [

@@ -1,4 +1,5 @@
-"""Layering: k3sched imports no torch; traces needs only the plan format (no torch, no runtime)."""
+"""Layering: k3sched imports no torch; traces needs only the plan format (k3sched.tasks and
+k3sched.planfile; no torch, no runtime)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_traces_needs_only_the_plan_format():
     mods = _modules_after("import traces.validate, traces.cli, traces.nsys, traces.chrome")
     assert "torch" not in mods
     assert not {m for m in mods if m.split(".")[0] in ("runtime", "moe", "offload")}
-    assert not {m for m in mods if m.startswith("k3sched.") and m not in ("k3sched.tasks",)}, \
+    assert not {m for m in mods if m.startswith("k3sched.") and m not in ("k3sched.tasks", "k3sched.planfile")}, \
         sorted(m for m in mods if m.startswith("k3sched."))
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from k3sched.config import load_config
-from k3sched.lowering import (LaneProgram, LoweringError, PlanTask, data_edges, id_bucket, link_tokens, lower,
+from k3sched.lowering import (LaneProgram, LoweringError, PlanTask, data_edges, link_tokens, lower,
                               lower_stage, plan_deps, rank_start_deps, read_lanes, serial_tokens, stage_lanes,
                               token_order)
 from k3sched.planner import plan
 from k3sched.render import plan_to_json
-from k3sched.tasks import LANES, Kind, parse_task_id
+from k3sched.tasks import LANES, Kind, id_bucket, parse_task_id
 
 from conftest import CONFIGS
 

@@ -128,6 +128,25 @@ def test_plan_json_as_written_is_the_plain_document(overrides):
     assert dumps_plan_bytes(p) == orjson.dumps(plain, option=orjson.OPT_INDENT_2) + b"\n"
 
 
+@pytest.mark.parametrize("overrides", [[], ["hardware.task_time_cv=0.3"]])
+def test_plan_json_reads_back_as_the_planner_wrote_it(overrides):
+    # k3sched.planfile writes plan.json and reads it back: the metrics read are the plan's, the
+    # expected step only where the plan has a task-time spread, and the plan ranked by it there
+    from k3sched.config import load_config
+    from k3sched.planfile import check_plan_doc
+
+    p = plan(load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides))
+    raw = json.loads(dumps_plan(p))
+    doc = check_plan_doc(raw)
+    assert doc.metrics.to_json() == p.metrics.to_json() == raw["metrics"]
+    assert doc.metrics.ranking_step_us == p.metrics.ranking_step_us
+    if overrides:
+        assert p.metrics.ranking_step_us == p.metrics.expected_step_us > p.metrics.step_time_us
+    else:
+        assert "expected" not in raw["metrics"] and "memory_lean" not in raw["metrics"]
+        assert p.metrics.expected_step_us is None and p.metrics.ranking_step_us == p.metrics.step_time_us
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_outputs_are_written_only_after_before_returns(tiny_cfg, tmp_path, parallel):
     from k3sched.render import write_outputs

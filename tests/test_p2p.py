@@ -16,7 +16,7 @@ import json
 import pytest
 
 from k3sched.config import PIPELINES, load_config
-from k3sched.p2pcheck import COMM_POLICIES, P2PDeadlock, analyse, check_plan
+from k3sched.p2pcheck import COMM_POLICIES, P2PDeadlock, analyse, check_p2p_transfers
 from k3sched.planner import plan
 from k3sched.render import plan_to_json
 from k3sched.schedules import GENERATORS
@@ -43,7 +43,7 @@ def _doc(overrides: list[str], strategy: str | None = None) -> dict:
 
 def _budget(overrides: list[str], frac: float) -> str:
     free = plan(load_config(TINY, overrides + ["schedule.offload=none"]))
-    return f"schedule.device_memory_budget={max(free.metrics['peak_device_bytes']) * frac / 2**30}"
+    return f"schedule.device_memory_budget={max(free.metrics.peak_device_bytes) * frac / 2**30}"
 
 
 # -- every plan the planner makes passes ------------------------------------------------------------
@@ -54,9 +54,9 @@ def _budget(overrides: list[str], frac: float) -> str:
 def test_every_schedule_plans_pass_the_nccl_check(name, pp, strategy):
     p = plan(load_config(TINY, shape(name, pp, 2)), strategy)
     doc = plan_to_json(p)
-    n = check_plan(doc)
+    n = check_p2p_transfers(doc)
     assert n == len([t for s in doc["stages"] for t in s["lanes"]["collective"] if t["kind"].endswith(".send")])
-    assert check_plan(p) == n  # the Plan object and its plan.json read the same
+    assert check_p2p_transfers(p) == n  # the Plan object and its plan.json read the same
 
 
 @pytest.mark.parametrize("name,pp", [("1f1b", 4), ("interleaved-1f1b", 4), ("zb-h1", 4), ("zb-v", 4)])
@@ -65,7 +65,7 @@ def test_plans_with_remote_offload_pass(name, pp):
     ov = [o for o in shape(name, pp, 2) if o not in SMALL] + ["model.dense_layers=0", "schedule.remote_offload=true"]
     for strategy in ("k3", "serial"):
         doc = _doc(ov + [_budget(ov, 0.7)], strategy)
-        check_plan(doc)
+        check_p2p_transfers(doc)
     remote = [t for s in doc["stages"] for t in s["lanes"]["offload_remote"]]
     assert remote or name == "zb-v"  # the pipelines before zb-v do offload remotely at this budget
 
@@ -74,7 +74,7 @@ def test_grad_offload_and_ep_dp_plans_pass():
     for name in ("1f1b", "dualpipev"):
         ov = [o for o in shape(name, 2) if o != "parallel.ep=1"] + ["parallel.ep=2", "parallel.dp=2",
                                                                    "schedule.grad_offload=true"]
-        check_plan(_doc(ov))
+        check_p2p_transfers(_doc(ov))
 
 
 def test_every_configured_pipeline_is_checked_or_not_planned():
@@ -86,7 +86,7 @@ def test_every_configured_pipeline_is_checked_or_not_planned():
 
 
 def test_shipped_configs_pass():
-    check_plan(plan(load_config(TINY)))
+    check_p2p_transfers(plan(load_config(TINY)))
 
 
 # -- what the check catches ----------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_seeded_crossing_on_one_communicator_is_rejected_naming_the_cycle(one_f_
     doc = _move(one_f_one_b, 1, "s1/mb0/v0/grad.send", before="s1/mb2/v0/act.recv")
     for comms in ("shared",):
         with pytest.raises(P2PDeadlock) as e:
-            check_plan(doc, comms)
+            check_p2p_transfers(doc, comms)
         msg = str(e.value)
         assert "\n" not in msg
         assert msg.startswith(f"P2P deadlock under NCCL semantics (communicators: {comms}), stages 0, 1: ")
@@ -157,7 +157,7 @@ def test_order_mismatch_is_reported(one_f_one_b):
     doc = _move(one_f_one_b, 1, "s1/mb1/v0/act.recv", before="s1/mb0/v0/act.recv")
     with pytest.raises(P2PDeadlock, match=r"communicator act 0->1: transfer #0 from stage 0 to stage 1 is "
                                           r"s0/mb0/v0/act.send on stage 0 but s1/mb1/v0/act.recv on stage 1"):
-        check_plan(doc)
+        check_p2p_transfers(doc)
 
 
 def test_unmatched_send_is_reported(one_f_one_b):
@@ -167,7 +167,7 @@ def test_unmatched_send_is_reported(one_f_one_b):
     for t in (t for lane in doc["stages"][1]["lanes"].values() for t in lane):
         t["deps"] = [d for d in t["deps"] if d != "s1/mb3/v0/act.recv"]
     with pytest.raises(P2PDeadlock, match="s0/mb3/v0/act.send .*no stage receives it"):
-        check_plan(doc)
+        check_p2p_transfers(doc)
 
 
 def _remote_task(stage, kind, mb, layer, peer, deps=()):

@@ -76,7 +76,7 @@ def _remote(name: str) -> list[str]:
     ov = [f"schedule.pipeline={name}", "parallel.pp=4", "parallel.vpp=1", "parallel.microbatches=8",
           "model.layers=8", "model.dense_layers=0", "schedule.remote_offload=true"]
     free = plan(load_config(TINY, ov + ["schedule.offload=none"]))
-    return ov + [f"schedule.device_memory_budget={max(free.metrics['peak_device_bytes']) * 0.7 / 2**30}"]
+    return ov + [f"schedule.device_memory_budget={max(free.metrics.peak_device_bytes) * 0.7 / 2**30}"]
 
 
 @pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2), ("dualpipev", 2),

@@ -80,7 +80,7 @@ def test_the_plan_of_an_ep_config_gets_shorter_expert_tasks(tmp_path):
     without = plan(load_config(TINY, cfg + [f"schedule.profile={_profile(tmp_path, None, 'plain.yaml')}"]))
     dw = lambda p: [t.end_us - t.start_us for t in p.graph.tasks.values() if t.kind is Kind.EXPERT_DW]  # noqa: E731
     assert max(dw(with_it)) < 0.75 * min(dw(without))
-    assert with_it.metrics["step_time_us"] < without.metrics["step_time_us"]
+    assert with_it.metrics.step_time_us < without.metrics.step_time_us
 
 
 @pytest.mark.parametrize("body, says", [
@@ -127,9 +127,9 @@ def test_calibration_from_an_ep_source_recovers_the_profile(tmp_path):
     fitted = load_profile(write_profile(fit, tmp_path / "fitted.yaml"))
     assert fitted.per_expert_us == PER_EXPERT
     target = ["parallel.pp=2", "parallel.ep=1"]
-    known = plan(load_config(TINY, BASE + target + [f"schedule.profile={prof}"])).metrics["step_time_us"]
+    known = plan(load_config(TINY, BASE + target + [f"schedule.profile={prof}"])).metrics.step_time_us
     again = plan(load_config(TINY, BASE + target + [f"schedule.profile={tmp_path / 'fitted.yaml'}"]))
-    assert again.metrics["step_time_us"] == pytest.approx(known, rel=0.01)
+    assert again.metrics.step_time_us == pytest.approx(known, rel=0.01)
 
 
 @pytest.mark.slow
@@ -147,4 +147,4 @@ def test_the_probe_measures_a_per_expert_part_that_plans(tmp_path):
         assert 0 <= v < ops[k] / (8 - 4), k  # the 4 experts' profile still costs its tokens
     p = write_ops_profile(ops, tmp_path / "ops.yaml", per)
     assert load_profile(p).per_expert_us == per
-    assert plan(load_config(TINY, [f"schedule.profile={p}"])).metrics["step_time_us"] > 0
+    assert plan(load_config(TINY, [f"schedule.profile={p}"])).metrics.step_time_us > 0

@@ -23,7 +23,7 @@ PP4 = ["parallel.pp=4", "parallel.microbatches=8", "model.layers=8", "model.dens
 def _budget_gib(overrides: list[str], frac: float) -> str:
     """A budget at ``frac`` of the largest no-offload stage peak."""
     free = plan(load_config(CONFIGS / "tiny-cpu.yaml", overrides + ["schedule.offload=none"]))
-    return f"schedule.device_memory_budget={max(free.metrics['peak_device_bytes']) * frac / 2**30}"
+    return f"schedule.device_memory_budget={max(free.metrics.peak_device_bytes) * frac / 2**30}"
 
 
 def test_remote_offload_evens_out_stage_memory():
@@ -32,18 +32,18 @@ def test_remote_offload_evens_out_stage_memory():
     remote = plan(load_config(CONFIGS / "tiny-cpu.yaml", PP4 + [budget, "schedule.remote_offload=true"]))
     check_plan_invariants(remote, serial=False)
     m = remote.metrics
-    assert m["offloaded_sets"]["remote"] > 0
-    before = m["peak_device_bytes_before_offload"]
-    assert before[0] > m["budget_bytes"] >= m["peak_device_bytes"][0]  # stage 0 needed relief
-    holders = [s for s, b in enumerate(m["peak_peer_bytes"]) if b > 0]
+    assert m.offloaded_sets["remote"] > 0
+    before = m.peak_device_bytes_before_offload
+    assert before[0] > m.budget_bytes >= m.peak_device_bytes[0]  # stage 0 needed relief
+    holders = [s for s, b in enumerate(m.peak_peer_bytes) if b > 0]
     assert holders and all(h > 0 for h in holders)  # held by later stages
-    assert max(m["peak_device_bytes"]) <= m["budget_bytes"]
+    assert max(m.peak_device_bytes) <= m.budget_bytes
     t = remote.tasks
     ron = [x for x in t.values() if x.kind is Kind.ACT_RONLOAD]
     assert ron and all(x.lane == "offload_remote" and x.peer_stage in holders for x in ron)
     for x in ron:
         assert x.start_us >= t[x.id.replace("act.ronload", "act.roffload")].end_us
-    assert local.metrics["offloaded_sets"]["remote"] == 0
+    assert local.metrics.offloaded_sets["remote"] == 0
 
 
 def test_measured_profile_replaces_analytic_durations(tmp_path):
@@ -82,7 +82,7 @@ def test_torch_csv_export_import_plans_the_same(pipeline, extra, tmp_path):
                                                  cfg.parallel.microbatches, placement=placement)
     assert imported.to_torch_csv() == text
     a, b = plan(cfg), plan(cfg, schedule=imported)
-    assert a.metrics["step_time_us"] == b.metrics["step_time_us"]
+    assert a.metrics.step_time_us == b.metrics.step_time_us
     ja, jb = plan_to_json(a), plan_to_json(b)
     assert jb.pop("pipeline") == "csv" and ja.pop("pipeline") == pipeline
     assert ja == jb

@@ -123,7 +123,7 @@ def test_profile_split_from_a_profile_and_its_bad_inputs(tmp_path):
     prof.write_text("format: k3sched.profile/1\nlayer_us: [10, 10, 10, 10]\nhead_us: 25\n")
     cfg = load_config(TINY, ["parallel.layer_split=profile", f"schedule.profile={prof}"])
     assert split_layers(cfg) == [[0, 1, 2], [3]]
-    assert plan(cfg).metrics["step_time_us"] > 0
+    assert plan(cfg).metrics.step_time_us > 0
     with pytest.raises(ConfigError, match="layer_split: profile needs schedule.profile"):
         load_config(TINY, ["parallel.layer_split=profile"])
     no_layers = tmp_path / "nolayers.yaml"

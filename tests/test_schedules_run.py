@@ -31,7 +31,7 @@ EQUAL = ["parallel.ep=1", "model.dense_layers=0", "parallel.layer_split=even", "
 def _act_peak(name: str, vpp: int, pp: int, M: int) -> int:
     p = plan(load_config(TINY, EQUAL + [f"schedule.pipeline={name}", f"parallel.vpp={vpp}", f"parallel.pp={pp}",
                                         f"model.layers={2 * pp}", f"parallel.microbatches={M}"]))
-    return max(pk - st for pk, st in zip(p.metrics["peak_device_bytes"], p.graph.static_device))
+    return max(pk - st for pk, st in zip(p.metrics.peak_device_bytes, p.graph.static_device))
 
 
 def test_planned_peak_activations_follow_the_papers_counts():

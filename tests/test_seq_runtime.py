@@ -136,7 +136,7 @@ def _offload_runs(tiny) -> dict:
     from k3sched.planner import plan
 
     def peaks(ov: list[str]) -> list[int]:
-        return plan(load_config(tiny, ov + ["schedule.offload=none"])).metrics["peak_device_bytes"]
+        return plan(load_config(tiny, ov + ["schedule.offload=none"])).metrics.peak_device_bytes
 
     local = [o for o in PP2 if o != "schedule.offload=none"] + ["model.seq_len=32", "parallel.seq_chunks=2"]
     remote = [o for o in PP2 if o not in ("schedule.offload=none", "model.dense_layers=1")] + [

@@ -224,11 +224,11 @@ def test_sliced_plan_json_validates_and_ids_parse(sliced_plan, tmp_path):
 
     from k3sched.render import write_outputs
     from k3sched.tasks import parse_task_id
-    from traces.schema import check_plan
+    from k3sched.planfile import check_plan_doc
 
     write_outputs(sliced_plan, tmp_path, png=False, parallel=False)
     doc = json.loads((tmp_path / "plan.json").read_text())
-    check_plan(doc)
+    check_plan_doc(doc)
     tasks = [t for st in doc["stages"] for lane in st["lanes"].values() for t in lane]
     sl = [t for t in tasks if "slice" in t]
     assert sl and all(parse_task_id(t["id"]).slice == t["slice"] for t in sl)
@@ -252,7 +252,7 @@ def test_every_supported_backbone_plans_sliced(pipeline, vpp):
     from k3sched.planner import plan
 
     p = plan(_cfg("parallel.seq_chunks=2", f"schedule.pipeline={pipeline}", f"parallel.vpp={vpp}"))
-    assert p.metrics["step_time_us"] > 0
+    assert p.metrics.step_time_us > 0
 
 
 @pytest.mark.parametrize("pipeline, vpp, pp, mbs, slices", [
@@ -275,7 +275,7 @@ def test_zb_v_with_four_slices_plans():
 
     p = plan(_cfg("parallel.seq_chunks=4", "schedule.pipeline=zb-v", "parallel.vpp=2", "parallel.pp=4",
                   "model.layers=8", "parallel.microbatches=8"))
-    assert p.metrics["step_time_us"] > 0
+    assert p.metrics.step_time_us > 0
 
 
 @pytest.mark.parametrize("pipeline", ["dualpipev", "dualpipe", "chimera"])
@@ -329,7 +329,7 @@ def test_compute_split_has_the_smaller_largest_slice(long_plans):
 
 def test_peak_device_memory_falls_as_slices_grow(long_plans):
     for split in ("even", "compute"):
-        peaks = [long_plans[(1, "even") if n == 1 else (n, split)].metrics["peak_device_bytes"] for n in (1, 2, 4, 8)]
+        peaks = [long_plans[(1, "even") if n == 1 else (n, split)].metrics.peak_device_bytes for n in (1, 2, 4, 8)]
         for a, b in zip(peaks, peaks[1:]):
             assert all(y < x for x, y in zip(a, b)), (split, peaks)
 

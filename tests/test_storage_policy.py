@@ -64,8 +64,8 @@ def test_kept_ops_stay_out_of_the_offload_set_and_fp8_ops_shrink():
 def test_keeping_everything_leaves_nothing_to_offload_and_costs_peak_memory():
     off = plan(load_config(TINY, ONE_RANK))
     keep = plan(load_config(TINY, ONE_RANK + ["schedule.storage={'*': keep}"]))
-    assert off.metrics["offloaded_sets"]["local"] > 0 and keep.metrics["offloaded_sets"]["total"] == 0
-    assert max(keep.metrics["peak_device_bytes"]) > max(off.metrics["peak_device_bytes"])
+    assert off.metrics.offloaded_sets["local"] > 0 and keep.metrics.offloaded_sets["total"] == 0
+    assert max(keep.metrics.peak_device_bytes) > max(off.metrics.peak_device_bytes)
     assert plan_to_json(keep)["config"]["schedule"]["storage"] == {"*": "keep"}
     assert "storage" not in plan_to_json(off)["config"]["schedule"]  # left out when empty
 

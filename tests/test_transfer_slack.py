@@ -89,8 +89,8 @@ def test_the_slack_is_expected_to_pay_on_the_ep_bound_testbed_row():
     """The replay with the probed spread ([Note: task-time spread]) expects the slack's orders to
     wait less for late transfers, at the same planned step."""
     base, slack = plan(_cfg()), plan(_cfg("schedule.transfer_slack=2"))
-    eb, es = base.metrics["expected"], slack.metrics["expected"]
-    assert slack.metrics["step_time_us"] <= base.metrics["step_time_us"] * 1.01
+    eb, es = base.metrics.expected, slack.metrics.expected
+    assert slack.metrics.step_time_us <= base.metrics.step_time_us * 1.01
     assert es["step_time_us"] < eb["step_time_us"]
     assert es["comm_overlap_ratio"][0] > eb["comm_overlap_ratio"][0] + 0.01
 
@@ -107,7 +107,7 @@ def test_without_a_modelled_wait_the_slack_changes_nothing(extra):
 
 def test_a_serial_plan_ignores_the_slack():
     a, b = plan(_cfg(), "serial"), plan(_cfg("schedule.transfer_slack=3"), "serial")
-    assert a.lane_orders == b.lane_orders and a.metrics["step_time_us"] == b.metrics["step_time_us"]
+    assert a.lane_orders == b.lane_orders and a.metrics.step_time_us == b.metrics.step_time_us
     assert normalise(_cfg("schedule.transfer_slack=3", "schedule.strategy=serial")).schedule.transfer_slack == 0
     assert normalise(_cfg("schedule.transfer_slack=3")).schedule.transfer_slack == 3
 
@@ -127,7 +127,7 @@ def test_a_slack_plan_is_consistent_when_every_attempt_rebuilds_the_graph():
     p = plan(cfg)
     assert [tid for tid, t in p.tasks.items() if abs(t.end_us - t.start_us - t.duration_us) > 1e-3] == []
     assert _asap_violations(p) == []
-    assert p.metrics["step_time_us"] == pytest.approx(max(t.end_us for t in p.tasks.values()))
+    assert p.metrics.step_time_us == pytest.approx(max(t.end_us for t in p.tasks.values()))
 
 
 def _planned_overlap(p, stage: int = 0) -> float:
@@ -151,7 +151,7 @@ def test_more_slack_brings_the_planned_overlap_to_the_expected_one():
 
     def gap(slack):
         p = plan(_cfg(f"schedule.transfer_slack={slack}"))
-        return _planned_overlap(p) - p.metrics["expected"]["comm_overlap_ratio"][0]
+        return _planned_overlap(p) - p.metrics.expected["comm_overlap_ratio"][0]
 
     assert max(TRANSFER_SLACKS) >= 6
     assert gap(6) < gap(0) - 0.03

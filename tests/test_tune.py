@@ -124,7 +124,7 @@ def test_with_a_task_time_spread_the_search_minimises_the_expected_step(tmp_path
     best = tuner.best()
     assert best.expected_us == min(r.expected_us for r in ok)
     again = plan(config_from_dict(cfg.to_dict(), best.set_args())).metrics
-    assert again["expected"]["step_time_us"] == best.expected_us and again["step_time_us"] == best.step_us
+    assert again.expected["step_time_us"] == best.expected_us and again.step_time_us == best.step_us
     assert [r.rank_us for r in pareto(tuner.results)] == sorted(r.rank_us for r in pareto(tuner.results))
     console = Console(width=120, record=True)
     assert tune_command(TINY, ["hardware.task_time_cv=0.3", "parallel.microbatches=2"], None, 60.0, 2, tmp_path,

@@ -72,20 +72,20 @@ def test_an_all_to_all_starts_at_the_expected_maximum_of_its_ranks():
 def test_without_spread_the_replay_is_the_plan_and_plans_carry_no_expected_block():
     cfg = load_config(TINY)
     p = plan(cfg)
-    assert "expected" not in p.metrics and "task_time_cv" not in cfg.model_dump(mode="json")["hardware"]
+    assert p.metrics.expected is None and "task_time_cv" not in cfg.model_dump(mode="json")["hardware"]
     got = expected(p.tasks, p.lane_orders, cfg, CostModel(cfg), samples=2)
-    assert got["step_time_us"] == pytest.approx(p.metrics["step_time_us"], rel=1e-9)
+    assert got["step_time_us"] == pytest.approx(p.metrics.step_time_us, rel=1e-9)
 
 
 def test_spread_raises_the_step_lowers_the_overlap_and_replays_the_same_each_time():
     cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
     a, b = plan(cfg), plan(cfg)
-    e = a.metrics["expected"]
-    assert e == b.metrics["expected"]  # seeded: a plan's expectation is reproducible
-    assert e["step_time_us"] > a.metrics["step_time_us"]
+    e = a.metrics.expected
+    assert e == b.metrics.expected  # seeded: a plan's expectation is reproducible
+    assert e["step_time_us"] > a.metrics.step_time_us
     assert e["step_time_p10_us"] <= e["step_time_us"] <= e["step_time_p90_us"]
     planned = plan(load_config(TINY)).metrics
-    assert a.metrics["step_time_us"] == planned["step_time_us"]  # the schedule itself is unchanged
+    assert a.metrics.step_time_us == planned.step_time_us  # the schedule itself is unchanged
     c0 = load_config(TINY)
     p0 = plan(c0)
     exact = expected(p0.tasks, p0.lane_orders, c0, CostModel(c0), samples=1)["comm_overlap_ratio"]
@@ -97,7 +97,7 @@ def test_spread_raises_the_step_lowers_the_overlap_and_replays_the_same_each_tim
 
 def test_a_serial_plan_replays_one_task_at_a_time():
     cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
-    e = plan(cfg, "serial").metrics["expected"]
+    e = plan(cfg, "serial").metrics.expected
     assert e["comm_overlap_ratio"] == [0.0, 0.0]
 
 
@@ -107,10 +107,10 @@ def test_a_serial_plans_tasks_spread_and_its_ranks_wait_for_each_other():
     all-to-all and its expected step is above the planned one; without a spread it is the plan."""
     cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
     p = plan(cfg, "serial")
-    e = p.metrics["expected"]
-    assert e["step_time_us"] > 1.02 * p.metrics["step_time_us"]
+    e = p.metrics.expected
+    assert e["step_time_us"] > 1.02 * p.metrics.step_time_us
     assert all(w is not None and w > 0 for w in e["sync_wait_us"])
-    assert "expected" not in plan(load_config(TINY), "serial").metrics
+    assert plan(load_config(TINY), "serial").metrics.expected is None
 
 
 def test_a_profile_spread_replaces_the_hardware_one_for_its_kinds():

@@ -524,7 +524,7 @@ def predict_step_us(plan: dict, fit: Fit) -> tuple[float, float | None]:
         data["schedule"] = {**data["schedule"], "profile": str(path)}
         cfg = config_from_dict(data)
         m = make_plan(cfg, plan.get("strategy")).metrics
-        return float(m["step_time_us"]), (m.get("expected") or {}).get("step_time_us")
+        return float(m.step_time_us), m.expected_step_us
 
 
 def _lane(kind: Kind) -> str:

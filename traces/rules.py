@@ -21,7 +21,8 @@ from traces.device import DeviceSpans, device_clock, project_device
 from traces.events import EventTable
 from traces.intervals import lis_mask
 from traces.join import RankStages, is_transfer, ranges_by_name
-from traces.schema import Plan, check_plan
+from k3sched.planfile import PlanDoc, check_plan_doc
+from traces.schema import PlanError
 
 # onload kind -> the offload kind it brings back (``onload_before_offload``)
 ONLOAD_OF = {"act.onload": "act.offload", "act.ronload": "act.roffload"}
@@ -61,9 +62,9 @@ class PlanIndex:
 
 
 def index_plan(plan) -> PlanIndex:
-    """The plan (a plan.json dict, checked here, or a checked :class:`traces.schema.Plan`) as
+    """The plan (a plan.json dict, checked here, or a checked :class:`k3sched.planfile.PlanDoc`) as
     arrays over its tasks, lane by lane in each stage."""
-    typed = plan if isinstance(plan, Plan) else check_plan(plan)
+    typed = plan if isinstance(plan, PlanDoc) else check_plan_doc(plan, error=PlanError)
     lanes = list(typed.lanes)
     rows = [(li, p, t) for st in typed.stages for li, ln in enumerate(lanes) for p, t in enumerate(st.lanes.get(ln, []))]
     tasks = [t for _, _, t in rows]
@@ -202,7 +203,7 @@ class Joined:
 
 def join(plan, events: EventTable, *, clock: str = "auto", tolerance_us: float = 5.0,
          cross_rank_clocks: bool = False, only_traced_stages: bool = False) -> Joined:
-    """Join ``events`` to ``plan`` (a plan.json dict, a checked Plan or a :class:`PlanIndex`) by
+    """Join ``events`` to ``plan`` (a plan.json dict, a checked PlanDoc or a :class:`PlanIndex`) by
     task id ([Note: trace join], [Note: device timeline] in traces/validate.py)."""
     P = plan if isinstance(plan, PlanIndex) else index_plan(plan)
     rows, names, inv = ranges_by_name(events)

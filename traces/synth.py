@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import random
 
+from k3sched.planfile import PLAN_FORMAT
 from k3sched.tasks import LANE_OF, LANES, Kind, format_task_id
 
 LANE_TID_BASE = 100  # tid of lane i is LANE_TID_BASE + i in synthetic traces
-PLAN_FORMAT = "k3sched.plan/1"
 
 _DUR = {"compute": 100.0, "ep": 40.0, "collective": 30.0, "offload_local": 50.0, "offload_remote": 60.0}
 

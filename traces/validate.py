@@ -62,11 +62,11 @@ from traces import rules
 from traces.events import EventTable
 from traces.intervals import merge_intervals, overlap_length, union_length
 from traces.rules import PlanIndex, Violation
-from traces.schema import PLAN_FORMAT, Plan, PlanError, check_report
-from traces.schema import check_plan as _check_plan_schema
+from k3sched.planfile import PLAN_FORMAT, PlanDoc, check_plan_doc
+from traces.schema import PlanError, check_report
 
 DEFAULT_TOLERANCE_US = 5.0
-__all__ = ["PLAN_FORMAT", "PlanError", "Report", "Violation", "check_plan", "load_plan", "validate",
+__all__ = ["PLAN_FORMAT", "PlanError", "Report", "Violation", "load_plan", "validate",
            "merge_intervals", "overlap_length", "union_length"]
 _TYPE_ORDER = ("missing", "wrong_rank", "lane_mapping", "wrong_lane", "dependency", "onload_before_offload",
                "collective_order", "order", "unplanned")
@@ -99,9 +99,9 @@ class Report:
 # ---- plan ------------------------------------------------------------------------------
 
 def load_plan(path, *, typed: bool = False):
-    """Read a plan.json and check it against its schema (``traces.schema.Plan``: types, then the
-    cross-field rules, [Note: front doors]). Returns the document (a dict), or with
-    ``typed=True`` the checked :class:`traces.schema.Plan`. Raises :class:`PlanError` (one line
+    """Read a plan.json and check it against its schema (``k3sched.planfile.check_plan_doc``: types,
+    then the cross-field rules, [Note: front doors]). Returns the document (a dict), or with
+    ``typed=True`` the checked :class:`k3sched.planfile.PlanDoc`. Raises :class:`PlanError` (one line
     naming the file, the field path, the value and what is allowed)."""
     from traces.chrome import load_json
     from traces.events import TraceError
@@ -110,21 +110,17 @@ def load_plan(path, *, typed: bool = False):
         doc = load_json(path)
     except TraceError as e:
         raise PlanError(str(e)) from None
-    plan = _check_plan_schema(doc, str(path))
+    plan = check_plan_doc(doc, str(path), PlanError)
     return plan if typed else doc
-
-
-def check_plan(plan, where: str = "plan") -> Plan:
-    """Check a plan document (a dict) against its schema; returns it typed. Raises PlanError."""
-    return _check_plan_schema(plan, where)
 
 
 # ---- validation ------------------------------------------------------------------------
 
-def validate(plan: "dict | Plan", events, tolerance_us: float = DEFAULT_TOLERANCE_US, *, cross_rank_clocks: bool = False,
+def validate(plan: "dict | PlanDoc", events, tolerance_us: float = DEFAULT_TOLERANCE_US, *,
+             cross_rank_clocks: bool = False,
              only_traced_stages: bool = False, clock: str = "auto") -> Report:
     """Validate ``events`` (an EventTable, or a list of them) against ``plan`` (a plan.json
-    dict, checked against its schema here, or an already checked :class:`traces.schema.Plan`);
+    dict, checked against its schema here, or an already checked :class:`k3sched.planfile.PlanDoc`);
     see [Note: validation rules]. ``only_traced_stages``: do not report stages no rank
     ran as missing (validating a subset of the ranks). ``clock``: ``"auto"`` checks a task on
     its GPU events where it has some ([Note: device timeline]), ``"host"`` only on its host

@@ -74,7 +74,7 @@ def gate_violations(pairs: Sequence[tuple[str, str]], starts: dict, tol: float =
 def plan_lookahead(plan: "Plan") -> int:
     """The slot-gate lookahead ``plan`` was scheduled with (the planner uses 0 for the serial
     strategy and for memory-lean re-plans)."""
-    if plan.strategy == "serial" or plan.metrics.get("memory_lean"):
+    if plan.strategy == "serial" or plan.metrics.memory_lean:
         return 0
     return int(plan.cfg.schedule.lookahead)
 
@@ -269,10 +269,10 @@ def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hi
     lower bound on the true gap)."""
     res = solve_exact(cfg, mode=mode, ranks=plan.backbone, lookahead=plan_lookahead(plan), wgrad_lag=wgrad_lag,
                       time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
-    heur = float(plan.metrics["step_time_us"])
+    heur = float(plan.metrics.step_time_us)
     return {
         **_gap_fields(res, heur),
-        "planner_lower_bound_us": float(plan.metrics["lower_bound_us"]),
+        "planner_lower_bound_us": float(plan.metrics.lower_bound_us),
         "strategy": plan.strategy,
         "pipeline": plan.pipeline,
         "num_tasks": res.num_tasks,

@@ -528,7 +528,7 @@ def free_report(cfg: Config, plan: "Plan", *, extra_hints: "Sequence[Plan]" = ()
     ``extra_hints``) and compare ``plan`` with it, as ``exact_report`` does."""
     res = solve_free(cfg, hint_plans=[plan, *extra_hints], deterministic_time=deterministic_time,
                      time_limit_s=time_limit_s)
-    heur = float(plan.metrics["step_time_us"])
+    heur = float(plan.metrics.step_time_us)
     if not math.isfinite(res.makespan_us):
         raise ValueError(f"no schedule within the budget found in deterministic time {deterministic_time:g} "
                          f"(CP-SAT status {res.status})")
