@@ -15,9 +15,10 @@ pass here, and the runtime's executor (runtime/executor.py) and the P2P check
 3. :func:`plan_deps`: each task's ``deps`` on this rank, once each. Dependencies on other
    stages are satisfied by the P2P task itself (a receive waits for its send); a same-rank
    dependency or start dependency that names no task of the rank is an error.
-4. :func:`data_edges`: more same-rank data edges the caller knows and the plan leaves implicit
-   (the runtime's: :meth:`runtime.stage.StageRunner.extra_deps`), after the plan's. The P2P
-   check has no such edges to pass: they come from the model, above this package.
+4. :func:`data_edges`: more same-rank data edges the plan leaves implicit, after the plan's:
+   :func:`implied_edges`, the step table's edges the plan implies only through other stages
+   ([Note: step table] in k3sched/steptable.py). The runtime's executor and the P2P check both
+   lower with them; a debug run may drop some (``--drop-dep``, runtime/racecheck.py).
 5. :func:`serial_tokens` (strategy ``serial``: one task at a time on the rank) or
    :func:`link_tokens` (the lanes of each plan.json ``shared_links`` group one at a time): a
    token passed along :func:`token_order` of the group's tasks, as one more dependency of each
@@ -35,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .planfile import PlanTask
+from .steptable import runtime_deps
 from .tasks import LANES
 
 
@@ -199,6 +201,26 @@ def link_tokens(lanes: Lanes, deps: Mapping[str, tuple[str, ...]], shared_links:
     return out
 
 
+def implied_edges(lanes: Lanes) -> Deps:
+    """The data edges of pass 4 that the step table knows and ``lanes`` lack: each task's
+    same-(mb, layer) dependencies of :func:`k3sched.steptable.runtime_deps` (planned and implied
+    edges) that its planned ``deps`` do not list. The plan implies them only transitively, often
+    through another stage, which one rank's program does not see."""
+    ids = {t.id for ts in lanes.values() for t in ts}
+    table = runtime_deps()
+    out: Deps = {}
+    for ts in lanes.values():
+        for t in ts:
+            if t.mb is None or t.layer is None:
+                continue
+            prefix = t.id.rsplit("/", 1)[0]
+            extra = tuple(d for d in (f"{prefix}/{k.value}" for k in table.get(t.kind, ()))
+                          if d in ids and d not in t.deps)
+            if extra:
+                out[t.id] = extra
+    return out
+
+
 def lower(lanes: Lanes, stage: int, *, extra: Mapping[str, Sequence[str]] | None = None, serial: bool = False,
           shared_links: Sequence[Sequence[str]] = ()) -> LaneProgram:
     """Passes 3 to 5 on ``lanes`` (per lane, in run order) of ``stage``: the lane program.
@@ -214,6 +236,7 @@ def lower_stage(plan: Mapping, stage: int, lanes: Lanes | None = None,
                 extra: Mapping[str, Sequence[str]] | None = None) -> LaneProgram:
     """The lane program of ``stage`` of a plan.json dict, with the plan's strategy and shared links.
     ``lanes``: the stage's lanes when the caller changed them (default :func:`stage_lanes`);
-    ``extra``: more data edges (:func:`data_edges`)."""
-    return lower(stage_lanes(plan, stage) if lanes is None else lanes, stage, extra=extra,
+    ``extra``: the data edges of pass 4 (default :func:`implied_edges` of the lanes)."""
+    lanes = stage_lanes(plan, stage) if lanes is None else lanes
+    return lower(lanes, stage, extra=implied_edges(lanes) if extra is None else extra,
                  serial=plan.get("strategy") == "serial", shared_links=plan.get("shared_links", ()))

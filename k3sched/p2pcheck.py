@@ -72,7 +72,7 @@ class _View:
 
 def _view(plan) -> _View:
     """A plan.json dict, or a :class:`k3sched.planner.Plan` read as its plan.json, lowered stage by
-    stage as the runtime lowers it (:func:`k3sched.lowering.lower_stage`; no runtime data edges).
+    stage as the runtime lowers it (:func:`k3sched.lowering.lower_stage`, the step table's implied data edges included).
     Raises :class:`k3sched.lowering.LoweringError` for a stage that cannot be lowered."""
     if not isinstance(plan, Mapping):
         from .planfile import plan_to_json

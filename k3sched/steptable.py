@@ -5,7 +5,7 @@
 (:mod:`k3sched.graph`) creates a layer's tasks from it, row by row in table order (a topological
 order, and the creation order the planner's ``topo`` keeps); :func:`k3sched.limits.count_tasks`
 counts its rows; ``moe.INTRA_LAYER_DEPS`` and ``moe.microbatch_tasks`` are read off it; the
-runtime's executor waits for :func:`runtime_deps` (``StageRunner.extra_deps``). Changing a row
+runtime's executor waits for :func:`runtime_deps` (:func:`k3sched.lowering.implied_edges`). Changing a row
 changes all of them together (tests/test_steptable.py).
 
 A row names a task kind (its lane is ``LANE_OF[kind]``), its pipeline unit (``F`` forward, ``I``

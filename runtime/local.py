@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3sched.config import Config
+from k3sched.lowering import implied_edges
 from k3sched.planner import plan
 from k3sched.render import plan_to_json
 
@@ -57,7 +58,7 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
     if setup is not None:
         setup(runner)
     run = LocalRun(doc, runner=runner)
-    with Executor(lanes, runner.handlers(), perturb=perturb or opts.perturb, extra_deps=runner.extra_deps(lanes),
+    with Executor(lanes, runner.handlers(), perturb=perturb or opts.perturb, extra_deps=implied_edges(lanes),
                   dep_timeout_s=60.0, serial=doc["strategy"] == "serial",
                   shared_links=doc.get("shared_links", ()), device=device) as ex:
         runner.bind_streams(ex.lane_streams())

@@ -484,13 +484,12 @@ def launch_args(doc: Mapping, racecheck: bool, drops: Sequence[str] | None) -> l
     ``doc`` before launching: ValueError, one line, for an edge no rank waits on)."""
     out = ["--racecheck"] if racecheck else []
     if drops:
-        from .executor import stage_lanes
-        from .stage import StageRunner
+        from k3sched.lowering import implied_edges, stage_lanes
 
         deps: dict[str, tuple[str, ...]] = {}
         for st in doc["stages"]:
             lanes = stage_lanes(doc, st["stage"])
-            deps.update(same_stage_deps(lanes, StageRunner.extra_deps(lanes), st["stage"]))
+            deps.update(same_stage_deps(lanes, implied_edges(lanes), st["stage"]))
         check_drops(drops, deps)
         for d in drops:
             out += ["--drop-dep", d]

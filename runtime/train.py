@@ -406,7 +406,7 @@ def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
 def _build_executor(args: argparse.Namespace, s: _Setup, doc: dict, groups, spec, lanes, runner):
     """(executor, race checker or None): the lane orders checked against the peers', the plan's
     lanes perturbed and race-checked as asked."""
-    from k3sched.lowering import lower_stage
+    from k3sched.lowering import implied_edges, lower_stage
     from runtime.executor import Executor, perturb_lanes
     from runtime.groups import verify_orders
     from runtime.stage import verify_remote_orders
@@ -415,7 +415,7 @@ def _build_executor(args: argparse.Namespace, s: _Setup, doc: dict, groups, spec
     perturbed = perturb_lanes(lanes, *opts.perturb) if opts.perturb else None  # before the check: it must see it
     verify_orders(groups, lanes, spec.p2p_peer, stage)
     verify_remote_orders(groups, lanes, stage)
-    lanes, extra, planned_deps = _race_setup(args, lanes, runner.extra_deps(lanes), stage)
+    lanes, extra, planned_deps = _race_setup(args, lanes, implied_edges(lanes), stage)
     ex = Executor(lower_stage(doc, stage, lanes, extra), runner.handlers(), rank=rank, device=s.device,
                   dep_timeout_s=args.timeout)  # [Note: lowering]: the lanes as changed, the plan's tokens
     ex.perturbed = perturbed

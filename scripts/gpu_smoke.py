@@ -99,6 +99,7 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
     ``broken`` the other lanes do not wait for that lane (:func:`break_waits`)."""
     import torch
 
+    from k3sched.lowering import implied_edges
     from k3sched.planner import plan
     from k3sched.render import plan_to_json
     from runtime.executor import Executor, stage_lanes
@@ -113,7 +114,7 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
     rng = random.Random(seed)
     count = [0]
     handlers = runner.handlers()
-    extra = runner.extra_deps(lanes)
+    extra = implied_edges(lanes)
     if broken is not None:
         lanes, extra = break_waits(lanes, extra, broken)
     if delay_lane is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from k3sched.config import load_config
-from k3sched.lowering import (LaneProgram, LoweringError, PlanTask, data_edges, link_tokens, lower,
+from k3sched.lowering import (LaneProgram, LoweringError, PlanTask, data_edges, implied_edges, link_tokens, lower,
                               lower_stage, plan_deps, rank_start_deps, read_lanes, serial_tokens, stage_lanes,
                               token_order)
 from k3sched.planner import plan
@@ -139,9 +139,13 @@ def test_lower_stage_reads_strategy_and_links_from_the_plan():
         doc = plan_to_json(plan(load_config(CONFIGS / "tiny-cpu.yaml", ov), strategy))
         for s in (0, 1):
             lanes = stage_lanes(doc, s)
-            want = lower(lanes, s, serial=strategy == "serial", shared_links=doc["shared_links"])
+            want = lower(lanes, s, extra=implied_edges(lanes), serial=strategy == "serial",
+                         shared_links=doc["shared_links"])
+            assert implied_edges(lanes)  # the step table's implied edges are part of the default
             assert lower_stage(doc, s) == want
-            assert lower_stage(doc, s, lanes, {}) == want
+            assert lower_stage(doc, s, lanes) == want
+            assert lower_stage(doc, s, lanes, {}) == lower(lanes, s, serial=strategy == "serial",
+                                                           shared_links=doc["shared_links"])
         tids = [t["id"] for st in doc["stages"] for ts in st["lanes"].values() for t in ts]
         assert all(id_bucket(t) == parse_task_id(t).bucket for t in tids)
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from k3sched.config import load_config
+from k3sched.lowering import implied_edges
 from k3sched.planner import plan
 from k3sched.render import plan_to_json
 from k3sched.tasks import Kind
@@ -70,7 +71,7 @@ def _steps(leak: bool, device: str = "cpu", steps: int = 2, keep: bool = False):
     # the heap figure counts the whole process: cyclic garbage an earlier test left, freed by a
     # collection mid-run, would take its bytes off the figure (seen in the full suite: 7 MiB)
     gc.collect()
-    with Executor(lanes, runner.handlers(), extra_deps=runner.extra_deps(lanes), dep_timeout_s=60.0,
+    with Executor(lanes, runner.handlers(), extra_deps=implied_edges(lanes), dep_timeout_s=60.0,
                   device=dev) as ex:
         cuda = getattr(ex, "_cuda", None)
         runner.bind_streams({lane: cuda.stream(lane) for lane in ex.lanes} if cuda is not None else {})

@@ -194,15 +194,18 @@ def test_seeded_crossing_on_the_remote_communicator_is_rejected():
 
 def test_the_check_replays_the_program_the_executor_runs():
     """p2pcheck reads each stage as the runtime's executor runs it ([Note: lowering]): the same
-    lanes, start dependencies and same-stage dependencies, tokens included."""
-    from runtime.executor import Executor, noop_handlers, stage_lanes
+    lanes, start dependencies and same-stage dependencies, the step table's implied edges and tokens included."""
+    from runtime.executor import Executor, noop_handlers
 
     from k3sched import p2pcheck
+    from k3sched.lowering import implied_edges, stage_lanes
 
     doc = _doc(shape("1f1b", 2), "serial")
     v = p2pcheck._view(doc)
     for s in (0, 1):
-        with Executor(stage_lanes(doc, s), noop_handlers(), stage=s, perturb=None, nvtx=False,
+        lanes = stage_lanes(doc, s)
+        assert implied_edges(lanes)
+        with Executor(lanes, noop_handlers(), stage=s, perturb=None, nvtx=False, extra_deps=implied_edges(lanes),
                       serial=doc["strategy"] == "serial", shared_links=doc["shared_links"]) as ex:
             assert ex.lanes == v.lanes[s]
             assert ex.dependencies() == {tid: v.deps[tid] for tid in ex.tasks}

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from k3sched.config import load_config
+from k3sched.lowering import implied_edges
 from k3sched.planner import plan
 from k3sched.render import plan_to_json
 from k3sched.tasks import Kind
@@ -230,7 +231,7 @@ def _local(overrides: list[str], *, strategy: str | None = None, steps: int = 1,
     runner.bind_plan(lanes)
     if reorder:
         reorder(lanes)
-    extra = runner.extra_deps(lanes)
+    extra = implied_edges(lanes)
     planned = same_stage_deps(lanes, extra, 0)
     lanes, extra = apply_drops(lanes, extra, check_drops(drops, planned))
     ex = Executor(lanes, runner.handlers(), perturb=None, extra_deps=extra, dep_timeout_s=60.0,

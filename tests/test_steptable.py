@@ -12,11 +12,11 @@ from k3sched import steptable
 from k3sched.config import ConfigError, load_config
 from k3sched.graph import OffloadChoice, build_step
 from k3sched.limits import count_tasks
+from k3sched.lowering import implied_edges
 from k3sched.planner import backbone
 from k3sched.tasks import Kind, parse_task_id
 from moe import INTRA_LAYER_DEPS, microbatch_tasks
 from runtime.executor import PlanTask
-from runtime.stage.model_ops import ModelOps
 from runtime.stage.spec import model_args
 
 TINY = CONFIGS / "tiny-cpu.yaml"
@@ -29,7 +29,7 @@ def _graph(overrides: list[str] = ()):
 
 def _runtime_deps(g) -> dict[str, set[str]]:
     """What each stage's executor waits for: the task's planned same-stage dependencies and
-    ``StageRunner.extra_deps`` (as runtime/executor.py joins them)."""
+    :func:`k3sched.lowering.implied_edges` (as k3sched/lowering.py joins them)."""
     out: dict[str, set[str]] = {}
     for s in range(g.cfg.parallel.pp):
         lanes: dict[str, list[PlanTask]] = {}
@@ -37,7 +37,7 @@ def _runtime_deps(g) -> dict[str, set[str]]:
             if t.stage == s:
                 lanes.setdefault(t.lane, []).append(PlanTask(t.id, t.kind, t.lane, t.stage, t.chunk, t.mb, t.layer,
                                                              deps=tuple(t.deps)))
-        extra = ModelOps.extra_deps(lanes)
+        extra = implied_edges(lanes)
         for ts in lanes.values():
             for t in ts:
                 out[t.id] = {d for d in t.deps if d.startswith(f"s{s}/")} | set(extra.get(t.id, ()))

@@ -10,16 +10,13 @@ shared.dx uses it directly, so it needs nothing from the ep lane. The value is i
 shared.dx writes its gradient of ``xn`` apart from dispatch.bwd's; router.bwd sums them
 ([Note: partial input gradients] in moe/context.py).
 The step table marks moe's shared.dx <- combine.bwd edge ``serial`` (moe's own execution only), so
-:meth:`StageRunner.extra_deps` leaves it out ([Note: step table] in k3sched/steptable.py).
+:func:`k3sched.lowering.implied_edges` leaves it out ([Note: step table] in k3sched/steptable.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from torch import Tensor
 
-from k3sched.steptable import runtime_deps
 from k3sched.tasks import Kind
 from moe import handoff
 
@@ -30,29 +27,6 @@ GRAD_WRITERS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP
 
 class ModelOps:
     """:class:`~runtime.stage.StageRunner` handlers of the model's forward, dX and dW tasks."""
-
-    @staticmethod
-    def extra_deps(lanes: Mapping[str, list[PlanTask]]) -> dict[str, tuple[str, ...]]:
-        """Same-(mb, layer) dependencies of the step table's rows (planned and implied edges,
-        :func:`k3sched.steptable.runtime_deps`) that a task's planned dependencies lack: those the
-        plan implies only transitively, often through another stage, which the executor does not
-        see."""
-        ids = {t.id for ts in lanes.values() for t in ts}
-        table = runtime_deps()
-        out: dict[str, tuple[str, ...]] = {}
-        for ts in lanes.values():
-            for t in ts:
-                if t.mb is None or t.layer is None:
-                    continue
-                prefix = t.id.rsplit("/", 1)[0]
-                extra = []
-                for k in table.get(t.kind, ()):
-                    d = f"{prefix}/{k.value}"
-                    if d in ids and d not in t.deps:
-                        extra.append(d)
-                if extra:
-                    out[t.id] = tuple(extra)
-        return out
 
     def _model_task(self, t: PlanTask) -> None:
         key = self.state_key(t)
