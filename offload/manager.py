@@ -34,7 +34,7 @@ Life of an offloaded set (one (micro-batch, layer)):
 [Note: FP8 on the device]
 Under ``schedule.act_quant: fp8`` the planner stores *every* saved activation as FP8, not only
 offloaded ones, so the runtime quantizes the sets the plan keeps on the device as well, without
-plan tasks of their own (``runtime.stage.StageRunner._tracked``):
+plan tasks of their own (``runtime.stage.offloading.Offloading.tracked``):
   quantize_resident   (inside the layer's last forward task: combine.fwd / mlp.fwd, after it ran)
       every floating-point storage of the set -> one device-pool buffer (FP8 payload + fp32
       scales, the same packed layout as an FP8 offload), placeholders under its names; integer /

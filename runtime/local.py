@@ -63,12 +63,12 @@ def local_run(cfg: Config, steps: int, *, strategy: str | None = None, seed: int
                   shared_links=doc.get("shared_links", ()), device=device) as ex:
         runner.bind_streams(ex.lane_streams())
         for step in range(steps):
-            runner.capture_grads = capture_grads and step == 0
+            runner.optim.capture_grads = capture_grads and step == 0
             runner.begin_step(step)
             rec = ex.run_step(step)
             run.losses.append(runner.end_step() / p.microbatches)
-            if runner.captured is not None:
-                run.grads, runner.captured = runner.captured, None
+            if runner.optim.captured is not None:
+                run.grads, runner.optim.captured = runner.optim.captured, None
             run.records.append(rec)
             run.peaks.append(runner.memory.peak_device)
             run.traces.append(ex.chrome_trace(rec, plan_step_time_us=doc["metrics"]["step_time_us"],

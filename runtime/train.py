@@ -442,15 +442,15 @@ def _run_steps(args: argparse.Namespace, ex, runner, rc, ckpt, first_step: int, 
         t_wall = time.perf_counter()
         if dist.is_initialized():
             dist.barrier()
-        runner.capture_grads = args.dump_grads and step == first_step
+        runner.optim.capture_grads = args.dump_grads and step == first_step
         runner.begin_step(step)
         log.record, contrib = _run_step(ex, runner, rc, step, device)
         if getattr(args, "trace_steps", False) and step - first_step >= args.warmup_steps - 1:
             log.records.append(log.record)
         log.routed.append(runner.routing_counts())
-        if runner.captured is not None:
-            torch.save(runner.captured, out / f"grads_rank{rank}.pt")
-            runner.captured = None
+        if runner.optim.captured is not None:
+            torch.save(runner.optim.captured, out / f"grads_rank{rank}.pt")
+            runner.optim.captured = None
         # pipedream-2bw: one plan run is two training steps, each with its loss
         loss_t = torch.tensor(runner.step_contribs if runner.plan_steps > 1 else [contrib], dtype=torch.float64)
         time_t = torch.tensor([log.record.wall_s], dtype=torch.float64)

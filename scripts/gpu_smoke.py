@@ -139,13 +139,13 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
         else:  # pragma: no cover - older StageRunner
             runner.lane_streams = list(streams.values())
         for step in range(steps):
-            runner.capture_grads = step == 0
+            runner.optim.capture_grads = step == 0
             runner.begin_step(step)
             rec = ex.run_step(step)
             losses.append(runner.end_step() / cfg.parallel.microbatches)
-            if runner.captured is not None:
-                grads = {n: g.detach().float().cpu().clone() for n, g in runner.captured.items()}
-                runner.captured = None
+            if runner.optim.captured is not None:
+                grads = {n: g.detach().float().cpu().clone() for n, g in runner.optim.captured.items()}
+                runner.optim.captured = None
             trace = ex.chrome_trace(rec, plan_step_time_us=doc["metrics"]["step_time_us"],
                                     t0_us=min(t.start_us for t in rec.timings))
     if device.type == "cuda":

@@ -76,8 +76,8 @@ def test_fp8_on_device_is_off_by_default_and_skips_offloaded_sets():
         cfg = load_config(TINY, ONE_RANK + over)
         runner = StageRunner(cfg, StageSpec.of(cfg, 0), build_groups(Layout(1, 1, 1, 0)))
         runner.bind_plan(stage_lanes(plan_to_json(plan(cfg, None)), 0))
-        assert bool(runner._quantized) is expect, over
-        assert not runner._quantized & runner._offloaded
+        assert bool(runner.offload._quantized) is expect, over
+        assert not runner.offload._quantized & runner.offload._offloaded
 
 
 def test_fp8_on_device_trains_close_to_fp32_with_a_lower_peak():

@@ -204,9 +204,9 @@ def test_the_device_pool_allocates_on_the_compute_stream():
     runner = StageRunner(cfg, StageSpec.of(cfg, 0), groups, compute_stream=first)
     assert runner.acts.device_pool.alloc_stream is first
     runner.bind_streams({"compute": compute, "ep": object()})
-    assert runner.acts.device_pool.alloc_stream is compute and len(runner.lane_streams) == 2
+    assert runner.acts.device_pool.alloc_stream is compute and len(runner.offload.lane_streams) == 2
     runner.bind_streams({})  # CPU: no streams
-    assert runner.acts.device_pool.alloc_stream is None and runner.lane_streams == []
+    assert runner.acts.device_pool.alloc_stream is None and runner.offload.lane_streams == []
 
 
 # -- one rank in this process ----------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def _local(overrides: list[str], *, strategy: str | None = None, steps: int = 1,
             rc.install()
         try:
             for step in range(steps):
-                runner.capture_grads = step == 0
+                runner.optim.capture_grads = step == 0
                 runner.begin_step(step)
                 if rc is not None:
                     rc.begin_step(step)
@@ -256,7 +256,7 @@ def _local(overrides: list[str], *, strategy: str | None = None, steps: int = 1,
                         raise
                     reports.append(rc.end_step(failed=True))
                     break
-                grads = grads or runner.captured
+                grads = grads or runner.optim.captured
                 if rc is not None:
                     reports.append(rc.end_step())
         finally:

@@ -34,18 +34,35 @@ it in one line).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe import handoff
-from moe import MoEModel
+from k3sched.tasks import Kind
+from moe import MoEModel, handoff
+from offload.gradshard import GradShards
 
 from ..executor import PlanTask
+from ..groups import Groups
 
 
-class GradientOps:
-    """:class:`~runtime.stage.StageRunner` handler of grad.rs and the routing statistics."""
+class Gradients:
+    """The stage's handlers of grad.rs and grad.mirror. Owns the bucket count of each layer's
+    grad.rs (:meth:`bind`); ``replicated`` is the experts with replicas ([Note: expert placement]);
+    ``gshards`` (``schedule.grad_offload``) only to refuse grad.mirror, whose gradients it holds."""
+
+    def __init__(self, model: MoEModel, groups: Groups, *, replicated, gshards: GradShards | None = None) -> None:
+        self.model, self.groups, self.replicated, self.gshards = model, groups, replicated, gshards
+        self._rs_buckets: dict[tuple[int, int], int] = {}
+
+    def bind(self, lanes: Mapping[str, list[PlanTask]]) -> None:
+        """The bucket count of each layer's grad.rs in the plan."""
+        for t in lanes["collective"]:
+            if t.kind is Kind.GRAD_RS:
+                key = (t.chunk, t.layer)
+                self._rs_buckets[key] = max(self._rs_buckets.get(key, 0), (t.bucket or 0) + 1)
 
     def _layer_buckets(self, t: PlanTask) -> list[list[tuple[str, nn.Parameter]]]:
         block = self.model.layers[t.layer]
@@ -54,18 +71,18 @@ class GradientOps:
         size = -(-len(named) // nb)
         return [named[i * size:(i + 1) * size] for i in range(nb)]
 
-    def _grad_rs(self, t: PlanTask) -> None:
+    def grad_rs(self, t: PlanTask) -> None:
         bucket = self._layer_buckets(t)[t.bucket or 0]
         dense = [p for n, p in bucket if not MoEModel.is_expert_param(n)]
         expert = [p for n, p in bucket if MoEModel.is_expert_param(n)]
         _allreduce_grads(dense, self.groups.dense)
         _allreduce_grads(expert, self.groups.expert)
-        if self._replicated and expert:
+        if self.replicated and expert:
             self._sum_replicas(expert, self.model.layers[t.layer].local_experts)
         for n, p in bucket:
             handoff.write(p.grad, f"L{t.layer}.{n}.grad")
 
-    def _grad_mirror(self, t: PlanTask) -> None:
+    def grad_mirror(self, t: PlanTask) -> None:
         """[Note: replica gradient reduction]: sum every gradient of the stage with the other copy's."""
         if self.gshards is not None:
             raise RuntimeError(f"{t.id}: schedule.grad_offload keeps the gradients in host shards, which grad.mirror "
@@ -83,7 +100,7 @@ class GradientOps:
         and give each replica the sum: one gradient per expert, as without replicas. Only the dp-0
         replica contributes, so the DP sum is not counted twice; identical gradients and identical
         initial weights keep the replicas identical under AdamW."""
-        rep = {e: i for i, e in enumerate(self._replicated)}
+        rep = {e: i for i, e in enumerate(self.replicated)}
         mine = [(s, rep[e]) for s, e in enumerate(local_experts) if e in rep]
         contribute = self.groups.layout.dp_idx == 0
         for p in params:
@@ -97,17 +114,6 @@ class GradientOps:
                 dist.all_reduce(buf, group=self.groups.dense)
             for s_, i in mine:
                 p.grad[s_].copy_(buf[i])
-
-    def routing_counts(self) -> dict[int, tuple[list[int], list[int]]]:
-        """This rank's routed slots since the last call, per MoE layer of the stage: (per expert,
-        per global slot); the counters restart."""
-        out = {}
-        for L in self.spec.layers:
-            block = self.model.layers[L]
-            if getattr(block, "is_moe", False):
-                out[L] = (block.routed_E.tolist(), block.routed_G.tolist())
-                block.reset_routing_counts()
-        return out
 
 
 def _allreduce_grads(params: list[nn.Parameter], group) -> None:

@@ -18,41 +18,64 @@ from __future__ import annotations
 from torch import Tensor
 
 from k3sched.tasks import Kind
-from moe import handoff
+from moe import MoEModel, handoff
+from offload.gradshard import GradShards
 
 from ..executor import PlanTask
 
 GRAD_WRITERS = frozenset({Kind.ATTN_DW, Kind.SHARED_DW, Kind.EXPERT_DW, Kind.MLP_DW, Kind.ROUTER_BWD})
 
 
-class ModelOps:
-    """:class:`~runtime.stage.StageRunner` handlers of the model's forward, dX and dW tasks."""
+def state_key(t: PlanTask) -> int | tuple[int, int]:
+    """The key of task ``t``'s state in the stage's micro-batch states (:attr:`StageRunner.mbs`):
+    its micro-batch, or (micro-batch, slice)."""
+    return t.mb if t.slice is None else (t.mb, t.slice)
 
-    def _model_task(self, t: PlanTask) -> None:
-        key = self.state_key(t)
+
+class ModelOps:
+    """The stage's handlers of the model's forward, dX and dW tasks. Owns the upstream gradients
+    kept for shared.dx (:meth:`keep_up`; the P2P family's grad.recv keeps its gradient here too).
+    ``mbs`` is the stage's micro-batch states (the runner's, filled by its ``begin_step``);
+    ``gshards`` (``schedule.grad_offload``) the sharded gradients the dW tasks accumulate into."""
+
+    def __init__(self, model: MoEModel, mbs: dict, ep_group, *, shared_layers: set[int], head_index: int,
+                 gshards: GradShards | None = None, unsafe_shared_dx: bool = False) -> None:
+        self.model, self.mbs, self.ep_group = model, mbs, ep_group
+        self.shared_layers, self.head_index = shared_layers, head_index
+        self.gshards, self.unsafe_shared_dx = gshards, unsafe_shared_dx
+        self._up: dict[tuple, Tensor] = {}  # (state key, layer index of grads) -> upstream grad
+
+    def clear(self) -> None:
+        """Drop the kept upstream gradients (the step's start and end)."""
+        self._up.clear()
+
+    def run(self, t: PlanTask) -> None:
+        """A model sub-op task: ``moe.MoEModel.run`` on its state and layer."""
+        key = state_key(t)
         mb = self.mbs[key]
         if t.kind is Kind.ROUTER_BWD:  # after shared.dx and dispatch.bwd: [Note: partial input gradients]
             mb.layers[t.layer].fold_grad_xn_shared()
         if self.gshards is not None and t.kind in GRAD_WRITERS:
             with self.gshards.accumulating(t.mb, t.layer):
-                self.model.run(t.kind, mb, t.layer, self.groups.ep)
+                self.model.run(t.kind, mb, t.layer, self.ep_group)
         else:
-            self.model.run(t.kind, mb, t.layer, self.groups.ep)
+            self.model.run(t.kind, mb, t.layer, self.ep_group)
         if t.kind is Kind.HEAD_DX:
-            self._keep_up(key, self.args.layers, mb.grads[self.args.layers])
+            self.keep_up(key, self.head_index, mb.grads[self.head_index])
         elif t.kind is Kind.ATTN_DX:
-            self._keep_up(key, t.layer, mb.grads[t.layer])
+            self.keep_up(key, t.layer, mb.grads[t.layer])
 
-    def _keep_up(self, state, idx: int, g: Tensor) -> None:
+    def keep_up(self, state, idx: int, g: Tensor) -> None:
         """Keep the gradient of layer ``idx``'s input for shared.dx of layer ``idx - 1`` (if here);
-        ``state`` is the task state's key (:meth:`StageRunner.state_key`)."""
+        ``state`` is the task state's key (:func:`state_key`)."""
         below = idx - 1
-        if below in self._shared_layers:
+        if below in self.shared_layers:
             self._up[(state, idx)] = g
             handoff.cell(self._up, (state, idx), True, f"{self.mbs[state].label}.grads[{idx}] (kept for shared.dx)")
 
-    def _shared_dx(self, t: PlanTask) -> None:
-        state = self.state_key(t)
+    def shared_dx(self, t: PlanTask) -> None:
+        """shared.dx on the kept upstream gradient ([Note: shared.dx beside combine.bwd])."""
+        state = state_key(t)
         mb = self.mbs[state]
         lc = mb.layers[t.layer]
         if lc.shared is None:

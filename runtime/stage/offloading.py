@@ -2,7 +2,7 @@
 act.rserve / act.ronload -> :class:`offload.ActivationManager` ([Note: activation storage
 policies]); the offload_remote lane's communicator and its start-up order check.
 
-Every task is wrapped (:meth:`OffloadOps._tracked`): in debug mode a backward task checks its
+Every task is wrapped (:meth:`Offloading.tracked`): in debug mode a backward task checks its
 layer's activations are resident, the last backward task of an onloaded set releases its device
 buffer to the pool, and the memory tracker samples device / host / peer bytes after each task
 ([Note: measured memory]). ``schedule.act_quant: fp8`` on sets the plan keeps (no plan tasks of
@@ -13,6 +13,7 @@ sub-op's)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -21,9 +22,13 @@ import torch.distributed as dist
 from k3sched.tasks import Kind
 from moe import LayerCtx
 from moe.split import GRAPH_USER
+from offload import ActivationManager
 
 from ..executor import Handler, PlanTask
 from ..groups import Groups
+from .memory import MemorySampler
+from .model_ops import state_key
+from .spec import StageSpec
 
 BACKWARD_KINDS = frozenset(k for k in Kind if k.phase in ("dx", "dw", "bwd", "re"))
 LAST_FORWARD = frozenset({Kind.COMBINE_FWD, Kind.MLP_FWD})
@@ -31,14 +36,46 @@ LAST_FORWARD = frozenset({Kind.COMBINE_FWD, Kind.MLP_FWD})
 REMOTE_KINDS = (Kind.ACT_ROFFLOAD, Kind.ACT_RSTORE, Kind.ACT_RSERVE, Kind.ACT_RONLOAD)
 
 
-class OffloadOps:
-    """:class:`~runtime.stage.StageRunner` handlers of the offload lanes and the bookkeeping
-    around every task (activation residency, FP8, memory samples)."""
+class Offloading:
+    """The stage's handlers of the offload lanes and the bookkeeping around every task (activation
+    residency, FP8, memory samples). Owns which sets the plan offloads or quantizes and the backward
+    tasks each has left this step (:meth:`bind`, :meth:`begin_step`) and the executor's lane streams.
+    ``acts`` is the stage's activation manager (the memory tracker reads it too), ``mbs`` its
+    micro-batch states, ``sampler`` the memory sampler each task ends with."""
 
-    def _tracked(self, h: Handler) -> Handler:
+    def __init__(self, acts: ActivationManager, spec: StageSpec, groups: Groups, mbs: dict, sampler: MemorySampler, *,
+                 device: torch.device, seq_chunks: int, act_quant: str) -> None:
+        self.acts, self.spec, self.groups, self.mbs, self.sampler = acts, spec, groups, mbs, sampler
+        self.device, self.seq_chunks, self.act_quant = device, seq_chunks, act_quant
+        # activation sets by (state_key, layer): (mb, layer), or ((mb, slice), layer) per slice
+        self._bwd_left: dict[tuple, int] = {}  # set -> backward tasks left this step
+        self._bwd_count: dict[tuple, int] = {}
+        self._offloaded: set[tuple] = set()  # sets the plan offloads
+        self._quantized: set[tuple] = set()  # sets kept on the device as FP8
+        self._lock = threading.Lock()
+        self.lane_streams: list = []
+
+    def bind(self, lanes: Mapping[str, list[PlanTask]]) -> None:
+        """The sets the plan offloads or keeps as FP8, and each set's backward tasks."""
+        for ts in lanes.values():
+            for t in ts:
+                if t.mb is not None and t.layer is not None and t.kind in BACKWARD_KINDS:
+                    k = (state_key(t), t.layer)
+                    self._bwd_count[k] = self._bwd_count.get(k, 0) + 1
+                if t.kind in (Kind.ACT_OFFLOAD, Kind.ACT_ROFFLOAD):
+                    self._offloaded.add((state_key(t), t.layer))
+        if self.act_quant == "fp8":  # [Note: FP8 on the device]: the sets the plan keeps
+            self._quantized = {(state_key(t), t.layer) for ts in lanes.values() for t in ts
+                               if t.kind in LAST_FORWARD and (state_key(t), t.layer) not in self._offloaded}
+
+    def begin_step(self) -> None:
+        """Every set's backward tasks are all still to run."""
+        self._bwd_left = dict(self._bwd_count)
+
+    def tracked(self, h: Handler) -> Handler:
         """Run ``h`` with the activation bookkeeping around it (see the module docstring)."""
         def run(t: PlanTask) -> None:
-            key = (self.state_key(t), t.layer)  # a set per (micro-batch or slice, layer)
+            key = (state_key(t), t.layer)  # a set per (micro-batch or slice, layer)
             bwd = t.kind in BACKWARD_KINDS and t.mb is not None and t.layer is not None
             quantized = key in self._quantized
             names = None
@@ -53,13 +90,12 @@ class OffloadOps:
             if quantized and t.kind in LAST_FORWARD:
                 self.acts.quantize_resident(self._buffer(t), self.mbs[key[0]].layers[t.layer], t.id)
             if bwd and (key in self._offloaded or quantized):
-                with self._mem_lock:
+                with self._lock:
                     self._bwd_left[key] -= 1
                     last = self._bwd_left[key] == 0
                 if last:
                     self.acts.release(self._buffer(t), self.mbs[key[0]].layers[t.layer], self._lane_fence())
-            with self._mem_lock:  # [Note: static tensors read by one thread] in offload/memory.py
-                self.memory.sample(read_static=t.lane == "compute")
+            self.sampler.sample(read_static=t.lane == "compute")
         return run
 
     @staticmethod
@@ -91,36 +127,34 @@ class OffloadOps:
     def _streams(self) -> list:
         return self.lane_streams or [torch.cuda.current_stream(self.device)]
 
-    lane_streams: list = []
-
     def bind_streams(self, streams: Mapping[str, object]) -> None:
         """The executor's lane streams (GPU; empty on CPU): fences of released buffers cover them
         all, and the device pool allocates on the compute stream ([Note: pools and fences])."""
         self.lane_streams = list(streams.values())
         self.acts.bind_compute_stream(streams.get("compute"))
 
-    def _offload(self, t: PlanTask) -> None:
-        self.acts.offload_local(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer], t.id)
+    def offload(self, t: PlanTask) -> None:
+        self.acts.offload_local(self._buffer(t), self.mbs[state_key(t)].layers[t.layer], t.id)
 
-    def _onload(self, t: PlanTask) -> None:
-        self.acts.onload_local(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer], t.id)
+    def onload(self, t: PlanTask) -> None:
+        self.acts.onload_local(self._buffer(t), self.mbs[state_key(t)].layers[t.layer], t.id)
 
     def _unit(self, t: PlanTask) -> int:
         """The pipeline unit of a remote transfer's tags: the micro-batch, or mb * S + slice."""
-        return t.mb if t.slice is None else t.mb * self.cfg.parallel.seq_chunks + t.slice
+        return t.mb if t.slice is None else t.mb * self.seq_chunks + t.slice
 
-    def _roffload(self, t: PlanTask) -> None:
-        self.acts.offload_remote(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer],
+    def roffload(self, t: PlanTask) -> None:
+        self.acts.offload_remote(self._buffer(t), self.mbs[state_key(t)].layers[t.layer],
                                  self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
-    def _ronload(self, t: PlanTask) -> None:
-        self.acts.onload_remote(self._buffer(t), self.mbs[self.state_key(t)].layers[t.layer],
+    def ronload(self, t: PlanTask) -> None:
+        self.acts.onload_remote(self._buffer(t), self.mbs[state_key(t)].layers[t.layer],
                                 self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
-    def _rstore(self, t: PlanTask) -> None:
+    def rstore(self, t: PlanTask) -> None:
         self.acts.store_remote(t.buffer, self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
-    def _rserve(self, t: PlanTask) -> None:
+    def rserve(self, t: PlanTask) -> None:
         self.acts.serve_remote(t.buffer, self.groups.pp_rank(t.peer_stage), self._unit(t), t.layer, t.id)
 
 

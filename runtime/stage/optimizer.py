@@ -3,9 +3,9 @@ group), AdamW step, zero grads; with ``schedule.grad_offload`` :class:`offload.G
 AdamW on the host shards and all-gathers the layers' parameters ([Note: sharded gradients]).
 
 pipedream-2bw keeps two weight versions per parameter ([Note: pipedream-2bw] in
-k3sched/schedule_generators.py): :attr:`OptimizerOps.versions` ``[0]`` is what the plan's first step
+k3sched/schedule_generators.py): :attr:`Optimizer.versions` ``[0]`` is what the plan's first step
 runs on (W_{t-1}), ``[1]`` the second step's (W_t). Every compute task of micro-batch m first points
-each parameter's ``.data`` at version ``m // M`` (:meth:`OptimizerOps.versioned`; one compute lane,
+each parameter's ``.data`` at version ``m // M`` (:meth:`Optimizer.versioned`; one compute lane,
 so no two tasks swap at once; what a forward saves for its backward was made from, and still
 refers to, its own version's buffers). The optimizer of the plan's step k copies the newest version
 (``[1 - k]``) over version k, whose last user on this stage has finished, and steps AdamW on it with
@@ -24,9 +24,11 @@ import torch
 from torch import Tensor
 
 from k3sched.tasks import parse_task_id
-from moe import handoff
+from moe import MoEModel, handoff
+from offload.gradshard import GradShards
 
 from ..executor import Handler, PlanTask
+from ..groups import Groups
 from .gradients import _allreduce_grads
 
 
@@ -44,12 +46,32 @@ def step_groups(opt: torch.optim.Optimizer, groups: list[dict]) -> None:
             p.grad = None
 
 
-class OptimizerOps:
-    """:class:`~runtime.stage.StageRunner` handler of optim.run and the gradients it can capture."""
+class Optimizer:
+    """The stage's handler of optim.run (:meth:`run`) and the gradients it can capture. Owns the
+    AdamW of the stage's parameters (:attr:`optimizer`; with ``schedule.grad_offload`` of the
+    non-layer ones only: ``gshards`` steps the layers'), the pipedream-2bw weight versions and the
+    gradient capture (set :attr:`capture_grads`, read :attr:`captured`)."""
 
-    versions: list[list[Tensor]] | None = None
-    """pipedream-2bw: the two weight versions of :attr:`params` (None: one version, every other schedule)."""
-    _version = 0
+    def __init__(self, model: MoEModel, groups: Groups, *, microbatches: int, plan_steps: int, layer_optim: bool,
+                 lr: float, weight_decay: float, gshards: GradShards | None = None) -> None:
+        self.model, self.groups, self.gshards, self.microbatches = model, groups, gshards, microbatches
+        self.params = [p for p in model.parameters()]
+        self.layer_groups = False
+        """``schedule.layer_optim``: the AdamW holds a param group per layer (module docstring)."""
+        self._layer_captured: dict[str, Tensor] = {}
+        opt_params = self.params
+        if gshards is not None:  # the layers' parameters are stepped by GradShards on host shards
+            opt_params = [p for n, p in model.named_parameters() if not n.startswith("layers.")]
+        self.optimizer = torch.optim.AdamW(self.adamw_groups(opt_params, layer_optim), lr=lr,
+                                           weight_decay=weight_decay) if opt_params else None
+        self.versions: list[list[Tensor]] | None = None
+        """pipedream-2bw: the two weight versions of :attr:`params` (None: one version, every other schedule)."""
+        self._version = 0
+        if plan_steps > 1:
+            self.init_versions()
+        self.capture_grads = False
+        """Capture the gradients at the next optim.run into :attr:`captured`."""
+        self.captured: dict[str, Tensor] | None = None
 
     def init_versions(self) -> None:
         """Two weight versions, both W_0 (module docstring; steps 0 and 1 both run on W_0)."""
@@ -65,7 +87,7 @@ class OptimizerOps:
 
     def versioned(self, h: Handler) -> Handler:
         """``h`` run on the weight version of its task's micro-batch (tasks without one: unchanged)."""
-        M = self.cfg.parallel.microbatches
+        M = self.microbatches
 
         def run(t: PlanTask) -> None:
             if t.mb is not None:
@@ -81,14 +103,10 @@ class OptimizerOps:
             for w, newest in zip(self.versions[k], self.versions[1 - k]):
                 w.copy_(newest)
 
-    layer_groups = False
-    """``schedule.layer_optim``: the AdamW holds a param group per layer (module docstring)."""
-    _layer_captured: dict[str, Tensor] = {}
-
-    def adamw_groups(self, params: list[Tensor]) -> list[Tensor] | list[dict]:
-        """What the AdamW of ``params`` is built on: the parameters, or with ``schedule.layer_optim`` a
-        param group of the non-layer ones and one per layer (:attr:`layer_groups`)."""
-        if not self.cfg.schedule.layer_optim:
+    def adamw_groups(self, params: list[Tensor], layer_optim: bool) -> list[Tensor] | list[dict]:
+        """What the AdamW of ``params`` is built on: the parameters, or with ``layer_optim``
+        (``schedule.layer_optim``) a param group of the non-layer ones and one per layer (:attr:`layer_groups`)."""
+        if not layer_optim:
             return params
         mine = {id(p) for p in params}
         rest: list[Tensor] = []
@@ -119,7 +137,8 @@ class OptimizerOps:
             self._layer_captured.update({names[id(p)]: p.grad.detach().clone() for p in group["params"]})
         step_groups(self.optimizer, [group])
 
-    def _optim(self, t: PlanTask) -> None:
+    def run(self, t: PlanTask) -> None:
+        """optim.run: the stage's, or with a layer one layer's (``schedule.layer_optim``)."""
         if t.layer is not None:
             self._optim_layer(t.layer)
             return

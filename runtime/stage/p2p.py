@@ -21,7 +21,9 @@ from torch import Tensor
 from k3sched.tasks import Kind
 
 from ..executor import PlanTask
-from ..groups import _wait_bounded
+from ..groups import Groups, _wait_bounded
+from .model_ops import state_key
+from .spec import StageSpec
 
 
 class PendingSends:
@@ -167,8 +169,32 @@ def strict_recv(buf: Tensor, src: int, group, ready, tag: int, deadline: float, 
     _wait_bounded(tok, deadline, f"{what}: ready token")
 
 
-class P2POps:
-    """:class:`~runtime.stage.StageRunner` handlers of act/grad.send and act/grad.recv."""
+class P2P:
+    """The stage's handlers of act/grad.send and act/grad.recv. Owns the sends in flight
+    (:attr:`sends`) and, under ``--p2p strict``, a :class:`P2PStream` per communicator. ``mbs`` is
+    the stage's micro-batch states; ``keep_up`` the model family's keeper of upstream gradients
+    (:meth:`~runtime.stage.model_ops.ModelOps.keep_up`), handed each received gradient."""
+
+    def __init__(self, spec: StageSpec, groups: Groups, mbs: dict, keep_up, *, seq_chunks: int,
+                 act_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, mode: str = "buffered",
+                 timeout_s: float = 120.0) -> None:
+        if mode not in P2P_MODES:
+            raise ValueError(f"p2p: one of {', '.join(P2P_MODES)}; got {mode!r}")
+        self.spec, self.groups, self.mbs, self.keep_up = spec, groups, mbs, keep_up
+        self.seq_chunks, self.act_shape, self.dtype, self.device = seq_chunks, act_shape, dtype, device
+        self.timeout_s = timeout_s
+        self.sends = PendingSends()
+        self.streams: dict[tuple[str, int, int], P2PStream] | None = None  # [Note: strict P2P]
+        if mode == "strict":
+            missing = sorted(set(groups.p2p) - set(groups.ready))
+            if missing:
+                raise ValueError(f"--p2p strict: no ready-token group for {missing[0]} (build_p2p_groups(ready=True))")
+            self.streams = {k: P2PStream(f"{k[0]} {k[1]}->{k[2]}", timeout_s) for k in groups.p2p}
+
+    def wait_all(self) -> None:
+        """The end of the step: wait for the outstanding sends (bounded by the P2P timeout)."""
+        self.sends.wait_all(self.timeout_s)
+
 
     def _boundaries(self, t: PlanTask) -> tuple[int, int]:
         """(input index, output index) in acts/grads of the task's chunk."""
@@ -178,7 +204,7 @@ class P2POps:
     def _tag(self, key: list, slice: int | None = None) -> int:
         """The transfer's tag: unique per (direction, micro-batch, slice, from-vstage, to-vstage)."""
         d, mb, src, dst = key
-        unit = mb * self.cfg.parallel.seq_chunks + (slice or 0)  # = mb without slices
+        unit = mb * self.seq_chunks + (slice or 0)  # = mb without slices
         return ((unit * self.spec.num_vstages + dst) * 2 + (d == "grad")) * self.spec.num_vstages + src
 
     def _p2p_group(self, key: tuple[str, int, int]):
@@ -187,9 +213,9 @@ class P2POps:
             raise RuntimeError(f"no P2P group for {key[0]} {key[1]}->{key[2]} (runtime.groups.build_p2p_groups)")
         return g
 
-    def _send(self, t: PlanTask) -> None:
+    def send(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
-        mb = self.mbs[self.state_key(t)]
+        mb = self.mbs[state_key(t)]
         first, out = self._boundaries(t)
         idx = out if t.kind is Kind.FWD_SEND else first
         buf = mb.acts[idx] if t.kind is Kind.FWD_SEND else mb.grads[idx]
@@ -210,16 +236,16 @@ class P2POps:
         else:
             mb.grads[idx] = None
 
-    def _recv(self, t: PlanTask) -> None:
+    def recv(self, t: PlanTask) -> None:
         peer, key = self.spec.p2p_peer(t)
-        state = self.state_key(t)
+        state = state_key(t)
         mb = self.mbs[state]
         first, out = self._boundaries(t)
         shape = self.act_shape
         if mb.slice is not None:  # a slice's rows: its token range of each sequence
             start, end = mb.bounds
             shape = (shape[0], end - start, shape[2])
-        buf = torch.empty(shape, dtype=self.args.torch_dtype, device=self.device)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         ck = (key[0], peer, self.spec.stage)
         group, src, tag = self._p2p_group(ck), self.groups.pp_rank(peer), self._tag(key, t.slice)
         if self.streams is None:
@@ -232,4 +258,4 @@ class P2POps:
             mb.acts[first] = buf
         else:
             mb.grads[out] = buf
-            self._keep_up(state, out, buf)
+            self.keep_up(state, out, buf)
