@@ -40,7 +40,6 @@ class StageRunner:
     """``runtime.data.TokenData``: micro-batches from a token file (None: synthetic tokens)."""
     step = 0
     """The global index of the step in progress (:meth:`begin_step`)."""
-    extra_deps = staticmethod(ModelOps.extra_deps)
     state_key = staticmethod(state_key)
 
     def __init__(self, cfg: Config, spec: StageSpec, groups: Groups, *, seed: int = 0, lr: float = 1e-3,
