@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmarks/bench_exact.py [--dtime 10] [--only NAME ...] [--big]
 
-Instances: the suite of tests/test_exact_free.py (small configs from configs/tiny-cpu.yaml, each
+Instances: the suite of tests/unit/k3sched/test_exact_free.py (small configs from configs/tiny-cpu.yaml, each
 with a device budget that binds), and with ``--big`` two of the size the issue names (4 stages,
 8 micro-batches, 2 layers per stage, MoE and dense). Per instance: the plain schedules' steps under
 the budget (k3 on gpipe / 1f1b / zb-h1 / zb-h2 and serial, offload auto; a backbone that cannot meet
@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "unit" / "k3sched"))
 
 import test_exact_free as suite  # noqa: E402  (the instance table and budgets of the test)
 

@@ -33,7 +33,7 @@ tail(f)`` (minima over the candidates for f: the freeing tasks no other freeing 
 The bound is the largest of all these over stages and ``lower_bound_us``. Every step in the argument drops constraints (EP, P2P and
 send-buffer allocations, the shared copy links, host capacity), so it stays a lower bound on any
 schedule that meets the budget; recompute and FP8 storage enter through the saved bytes the cost
-model gives each forward task. ``tests/test_bound.py`` checks it against CP-SAT optima with the
+model gives each forward task. ``tests/unit/k3sched/test_bound.py`` checks it against CP-SAT optima with the
 memory budget modeled (``exact.solve_exact(budget_bytes=...)``).
 """
 

@@ -2,7 +2,7 @@
 
 ``python -m k3sched.docgen`` writes both; ``python -m k3sched.docgen --check`` writes nothing and
 exits 1 with one line naming the first page that differs from what the code gives (``make docs``
-runs the first, ``tests/test_docs.py`` the comparison).
+runs the first, ``tests/repo/test_docs.py`` the comparison).
 
 [Note: generated reference]
 ``docs/cli.md`` walks the click command tree of the typer app (``typer.main.get_command``): every

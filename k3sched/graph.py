@@ -589,7 +589,7 @@ class _Builder:
     # keeps the embedding, head and final norm (their all-reduce over the optim group included) and
     # waits for the per-layer steps, so it stays the stage's last task. AdamW is elementwise per
     # parameter, so the steps compute what one step over all of them does (the runtime steps one
-    # param group per layer, runtime/stage/optimizer.py; tests/test_layer_optim.py compares).
+    # param group per layer, runtime/stage/optimizer.py; tests/unit/k3sched/test_layer_optim.py compares).
     # The optimizer tail after a stage's last backward is then the last layer's step alone.
 
     def mirror(self, s: int, deps: list[str], params: int) -> str:

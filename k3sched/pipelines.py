@@ -9,7 +9,7 @@ execute, why. Config validation (``schedule.pipeline`` and its rules), the plann
 stage placement, the memory bound, ``compare``, ``tune`` and ``k3sched run``'s refusal all derive
 from the entry, so adding a schedule is one generator, one entry here and its tests
 (docs/design.md, section 10). Formulas use the terms of docs/design.md (F, B,
-W, I = B - W per (virtual) stage, p ranks, m micro-batches); tests/test_schedules.py checks each
+W, I = B - W per (virtual) stage, p ranks, m micro-batches); tests/unit/k3sched/test_schedules.py checks each
 against :func:`k3sched.schedules.simulate_uniform`.
 
 This module needs only the generators and the schedule data model, so the config can import it.

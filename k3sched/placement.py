@@ -9,7 +9,7 @@ consecutive ranks). Node ``n`` holds ranks ``n * gpus_per_node .. (n + 1) * gpus
 A group's link is NVLink when all its ranks share a node, the NIC otherwise; a PP transfer's link
 is that of its two ranks. A rank's coordinates, and so its data and model shard, do not depend on
 the order: only which global rank (and node) holds them does, so a run's losses are the same
-under every order (tests/test_order.py). Within any group, global rank grows with the group's own
+under every order (tests/unit/k3sched/test_order.py). Within any group, global rank grows with the group's own
 coordinate under every order, so a group's local rank is that coordinate (the EP all-to-all's
 chunk index) whatever the order.
 

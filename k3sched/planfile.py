@@ -436,7 +436,7 @@ def dumps_plan_bytes(plan: "Plan") -> bytes:
     [Note: plan.json as written] orjson writes an Enum as its value, a dataclass as an object of
     its fields in order and a list in place, so the tasks are handed to it as they are (no copy
     of each Kind, Mem and deps list): the same bytes as :func:`plan_to_json`'s plain document
-    (tests/test_outputs.py compares the two), in half the time."""
+    (tests/unit/k3sched/test_outputs.py compares the two), in half the time."""
     with gc_paused():
         return dumps_json(plan_to_json(plan, native=True), indent=True) + b"\n"
 

@@ -152,7 +152,7 @@ def seq1f1b(base: Schedule, chunks: int) -> Schedule:
     moves its backwards further than its neighbour then runs forwards of the V's second leg before a
     backward its neighbour waits on, and the backbone deadlocks (zb-v, 4 slices, pp 4, 8 or 16; v-half
     at pp 8 and 16). When the per-rank shifts give an invalid backbone, every rank takes the largest
-    shift: a longer warm-up, and valid in every case checked (tests/test_seq_slices.py). Backbones that
+    shift: a longer warm-up, and valid in every case checked (tests/unit/k3sched/test_seq_slices.py). Backbones that
     are valid with their own shifts (every 1F1B, interleaved and ZB-H case, zb-v with 2 slices) are kept as
     they were. Returns a valid backbone (checked once) or raises ValueError as
     :func:`k3sched.schedules.check` does."""

@@ -6,7 +6,7 @@
 order, and the creation order the planner's ``topo`` keeps); :func:`k3sched.limits.count_tasks`
 counts its rows; ``moe.INTRA_LAYER_DEPS`` and ``moe.microbatch_tasks`` are read off it; the
 runtime's executor waits for :func:`runtime_deps` (:func:`k3sched.lowering.implied_edges`). Changing a row
-changes all of them together (tests/test_steptable.py).
+changes all of them together (tests/unit/k3sched/test_steptable.py).
 
 A row names a task kind (its lane is ``LANE_OF[kind]``), its pipeline unit (``F`` forward, ``I``
 input gradient, ``W`` weight gradient), the layer types that have it (``moe`` / ``dense``), the

@@ -44,7 +44,7 @@ spread. A transfer's own slowdown beside compute enters only through its planned
 ([Note: a transfer beside compute] in k3sched/planner.py: the plan's share of compute beside it,
 not resampled). Left out: the start-dependencies of gradient-shard onloads (a start waiting for
 another's start). Checked against
-the shaped-link testbed's runs in benchmarks/bench_overlap.py and tests/test_variability.py.
+the shaped-link testbed's runs in benchmarks/bench_overlap.py and tests/unit/k3sched/test_variability.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ inputs, not their outputs, and the dX task recomputes what is needed:
   RMSNorm (attn_norm, ffn_norm, final_norm): autograd keeps x and rstd anyway; the normalised
       output (the norm weight's WGrad input) and the scaled output (the following GEMM's WGrad
       input: wqkv, head) are recomputed at the end of the dX task from x and rstd.
-Same ops on the same operands: bitwise identical to storing (tests/test_quant_recompute.py). What
+Same ops on the same operands: bitwise identical to storing (tests/unit/offload/test_quant_recompute.py). What
 a dX task leaves for the dW task is unchanged; what the forward keeps shrinks (runtime/measure.py
 measures it per op: [Note: measured saved bytes]).
 
@@ -40,7 +40,7 @@ sequence) sharing a :class:`moe.context.SequenceState`. Every result equals the 
              on the slice whose router.fwd completes the layer's counts.
   the rest   per token (norms, projections, router, experts, dispatch / combine per slice, head,
              embedding): unchanged; weight gradients accumulate over the slices' dW tasks.
-Equality within rounding (fp32 1e-5): tests/test_seq_runtime.py. An unsliced micro-batch (slice
+Equality within rounding (fp32 1e-5): tests/unit/moe/test_seq_runtime.py. An unsliced micro-batch (slice
 None) runs exactly the code it ran before.
 
 Loss: ``ce + aux_loss_coef * sum_layers aux`` with a sequence-wise aux loss (DeepSeek-V3 style:

@@ -4,7 +4,7 @@
 tile as ``float8_e4m3fn`` scaled so the tile's absolute maximum maps to 448 (the format's largest
 finite value), with the fp32 scale beside it; ``dequantize`` inverts it into ``x``'s dtype.
 Relative error per element is at most about 2^-4 of its tile's maximum (3 mantissa bits);
-``tests/test_offload_manager.py`` measures it. Never used in the bitwise tests.
+``tests/unit/offload/test_offload_manager.py`` measures it. Never used in the bitwise tests.
 """
 
 from __future__ import annotations

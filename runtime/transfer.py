@@ -5,7 +5,7 @@ calibrates from its traces (``k3sched calibrate``, [Note: calibration] in traces
 then, for each target (a list of ``--set`` overrides on top of the source), plans the target with
 the fitted profile and runs it: the prediction error is measured on runs the profile was not
 fitted to. The residual on the source run is reported separately. Used by
-``tests/test_calibrate.py`` and ``benchmarks/bench_overlap.py``.
+``tests/unit/traces/test_calibrate.py`` and ``benchmarks/bench_overlap.py``.
 """
 
 from __future__ import annotations

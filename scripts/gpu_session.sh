@@ -38,9 +38,9 @@ check smoke "$OUT/smoke.log" timeout 200 $PY scripts/gpu_smoke.py --device "$DEV
 tail -1 "$OUT/smoke.log"
 
 step "2. test files with CUDA-only tests"
-check tests "$OUT/tests.log" timeout 200 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu_smoke.py \
-  tests/test_moe_split.py tests/test_runtime_executor.py tests/test_offload_manager.py tests/test_memory_measure.py \
-  tests/test_failures.py --deselect tests/test_gpu_smoke.py::test_gpu_smoke_on_cuda
+check tests "$OUT/tests.log" timeout 200 $PY -m pytest -q -p no:cacheprovider -rs tests/e2e/test_gpu_smoke.py \
+  tests/unit/moe/test_moe_split.py tests/unit/runtime/test_runtime_executor.py tests/unit/offload/test_offload_manager.py tests/unit/runtime/test_memory_measure.py \
+  tests/unit/runtime/test_failures.py --deselect tests/e2e/test_gpu_smoke.py::test_gpu_smoke_on_cuda
 tail -1 "$OUT/tests.log"
 
 step "3. one-rank runs (k3sched run --device $DEVICE)"

@@ -86,7 +86,7 @@ class FakeCtx:
 def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | None = None,
                       limit_s: float = 240.0, what: str = "the runs") -> tuple[int, str]:
     """Run ``tests/p2p_worker.py`` with ``spec`` (written to ``work/spec.json``) under one torchrun
-    launch of ``nproc`` ranks (gloo, a free loopback port, no restarts), as tests/test_p2p.py does;
+    launch of ``nproc`` ranks (gloo, a free loopback port, no restarts), as tests/unit/k3sched/test_p2p.py does;
     returns (exit code, combined output; on failure it ends with the ranks' ``error_rank*.txt``
     lines found under ``work``). Fails the test when it outlives ``limit_s``; the process group is
     killed either way."""
@@ -148,7 +148,7 @@ def one_thread():
 @pytest.fixture
 def seeded_planner(monkeypatch):
     """k3sched.planner.plan returning a plan whose stage 0 waits for gradient 0 before sending
-    activation 0: a lane-order deadlock under NCCL semantics (tests/test_p2p.py)."""
+    activation 0: a lane-order deadlock under NCCL semantics (tests/unit/k3sched/test_p2p.py)."""
     import k3sched.planner as planner
 
     real = planner.plan

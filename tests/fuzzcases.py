@@ -10,7 +10,7 @@ its type, an optional key removed, a truncated YAML that may still parse) may be
 0, or 1 for ``validate`` when the mutated trace no longer follows the plan) or refused. Never: a
 traceback, exit 3 (an internal error), or more than ``SLOW_S`` seconds.
 
-Used by tests/test_fuzz.py (hypothesis drives the random choices, a few minutes in CI) and by
+Used by tests/e2e/test_fuzz.py (hypothesis drives the random choices, a few minutes in CI) and by
 benchmarks/fuzz_campaign.py (thousands of seeded cases, a table of outcomes).
 """
 

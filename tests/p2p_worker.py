@@ -1,4 +1,4 @@
-"""Run by tests/test_p2p.py under torchrun: several training runs in one launch, then a crossing
+"""Run by tests/unit/k3sched/test_p2p.py under torchrun: several training runs in one launch, then a crossing
 order on one communicator in both P2P modes.
 
 ``python -m runtime.launch ... tests/p2p_worker.py SPEC.json``; SPEC holds ``runs`` (each:

@@ -42,7 +42,7 @@ over the lane's tasks ([Note: wire model] in k3sched/cost.py) gives ``latency_us
 ``link_efficiency[lane]`` (achieved / configured rate), so halving the config's link rate halves
 the modeled rate. optim.run is left to the cost model (it depends on the stage's parameters).
 No factor is fitted to the source run's step time: the residual on that run is reported beside,
-and predictions for other configs are checked by running them (tests/test_calibrate.py,
+and predictions for other configs are checked by running them (tests/unit/traces/test_calibrate.py,
 benchmarks/bench_overlap.py).
 
 [Note: mean, not median] A step is a sum of task durations along its paths, and the expected
