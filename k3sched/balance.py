@@ -56,7 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, read_text_file, yaml_load
+from .config import Config
+from .yamlfile import ConfigError, read_text_file, yaml_load
 
 PLACEMENT_FORMAT = "k3sched.placement/1"
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from .config import ConfigError, read_text_file, show_value, yaml_load
+from .yamlfile import ConfigError, read_text_file, show_value, yaml_load
 from .tasks import FWD_KINDS, LANE_OF, LANES, Kind
 
 @dataclass
