@@ -38,7 +38,7 @@ def runtime_step_s(strategy: str, steps: int, out: Path) -> float:
 
 
 def deepspeed_step_s(steps: int, out: Path) -> float:
-    from runtime.launch import free_port
+    from runtime.testbed import free_port
 
     cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(Path(__file__).resolve()), "--ds-worker", str(out),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from .config import Config, ConfigError
 from .cost import CostModel
-from .layersplit import _min_max_split, layers_by_vstage, split_layers  # noqa: F401 - graph's API too
+from .layersplit import split_layers
 from .pipelines import TABLE as PIPELINE_TABLE
 from .schedules import Placement
 from .seqslice import slice_bounds, unit_of

@@ -36,20 +36,16 @@ from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
+from .limits import InfeasibleBudget, check_limits, count_tasks, memory_lower_bound
 from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared, _retime
 from .pipelines import TABLE
 from .planfile import PlanMetrics
 from .seqslice import seq1f1b
-from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
-    _covered_each, _device_memory, _device_peak_per_stage, _merge, alone_shares, compute_metrics, lower_bound_us,
-    path_bounds)
+from .intervals import covered_each, merge
+from .metrics import alone_shares, compute_metrics, device_memory, device_peak_per_stage
 from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
-from .tasks import Kind, Task, format_task_id
-
-
-class InfeasibleBudget(ValueError):
-    """The device memory budget cannot be met; the message gives the smallest feasible budget."""
+from .tasks import Kind, Task
 
 
 @dataclass
@@ -239,10 +235,10 @@ class _Search:
                     g.tasks[tid].duration_us = d
         if self.fast:  # the base graph's memory events, laid out once; the schedule stays in arrays
             mem = self.events.timeline(raw[1], raw[2], skip, self.mem_base)
-            return _Attempt(g, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip,
+            return _Attempt(g, mem, device_peak_per_stage(mem, self.cfg.parallel.pp), skip,
                             raw=(raw[0], raw[1], raw[2], dur), search=self)
-        mem = _device_memory(g, [g.tasks[tid] for tid in prep.ids])
-        return _Attempt(g, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip, lane_orders=lane_orders)
+        mem = device_memory(g, [g.tasks[tid] for tid in prep.ids])
+        return _Attempt(g, mem, device_peak_per_stage(mem, self.cfg.parallel.pp), skip, lane_orders=lane_orders)
 
     def finish(self, att: _Attempt) -> StepGraph:
         """The attempt's graph with skipped offload pairs removed. Only once: the base graph is
@@ -342,9 +338,9 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
                 dur[i] = prep.dur[i] + float(ov @ rate)
         if waits and comp:
             busy = np.array([(start_t[i], end_t[i]) for i in comp], dtype=float)
-            busy = _merge(busy[busy[:, 1] > busy[:, 0]])
+            busy = merge(busy[busy[:, 1] > busy[:, 0]])
             span = np.array([(start_t[i], end_t[i]) for i, _ in waits], dtype=float)
-            share = _covered_each(span, busy) / (span[:, 1] - span[:, 0])
+            share = covered_each(span, busy) / (span[:, 1] - span[:, 0])
             for (i, wait), sh in zip(waits, share):
                 dur[i] = prep.dur[i] + wait * float(sh)
     alone = cost.compute_alone_factor()
@@ -379,8 +375,6 @@ BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in al
 def _bisection_plans(cfg: Config) -> int:
     """Bisection plans of :func:`_infeasible_message`: 5 for small configs, fewer as plans grow
     (tiny-cpu: 5; K2-like, 38k tasks: none), by task count."""
-    from .limits import count_tasks
-
     return max(0, min(5, BISECTION_TASKS // max(1, count_tasks(cfg).total)))
 
 
@@ -474,8 +468,6 @@ def _lean_cannot_fit(cfg: Config, search: _Search, budget: int, levels: list[tup
     far above the bound, costs nothing more than without the check."""
     if len(levels) < 2 or not search.all_sets:
         return False
-    from .limits import memory_lower_bound
-
     if budget >= NEAR_BOUND * max(memory_lower_bound(cfg, search.cost).per_stage):
         return False
     return max(search.run(OffloadChoice(local=set(search.all_sets)), *levels[-1]).peaks) > budget
@@ -532,8 +524,6 @@ def _infeasible_message(cfg: Config, search: _Search, level: tuple[int, int], ou
 def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
     """Plan one training step on the backbone ``schedule`` (default: ``schedule.pipeline``).
     Raises InfeasibleBudget, DeadlockError or ConfigError."""
-    from .limits import check_limits  # cheap up-front refusals (too many tasks, budget below a bound)
-
     check_limits(cfg)
     was_enabled = gc.isenabled()
     gc.disable()  # tens of thousands of small objects, no cycles: the cyclic GC only costs time

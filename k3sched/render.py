@@ -9,8 +9,7 @@ import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# plan.json is k3sched.planfile's; its writer is here too, beside the plan's other outputs
-from .planfile import PLAN_FORMAT, dumps_json, dumps_plan, dumps_plan_bytes, gc_paused, plan_to_json  # noqa: F401
+from .planfile import dumps_json, dumps_plan_bytes, gc_paused
 from .tasks import LANES, FWD_KINDS, Kind, WGRAD_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -167,7 +167,7 @@ def plan_metrics(data: dict[str, Any]) -> dict[str, Any]:
     import gc
 
     from . import planner
-    from .limits import check_limits
+    from .limits import InfeasibleBudget, check_limits
     from .simulator import DeadlockError
 
     t0 = time.perf_counter()
@@ -182,7 +182,7 @@ def plan_metrics(data: dict[str, Any]) -> dict[str, Any]:
                 p = planner.plan(cfg)
         finally:
             gc.enable()
-    except planner.InfeasibleBudget as e:
+    except InfeasibleBudget as e:
         peak = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], (int, float)) else None
         msg = f"does not fit the budget (peak {peak / GiB:.1f} GiB)" if peak else str(e).splitlines()[0]
         return {"error": msg, "plan_s": time.perf_counter() - t0}
@@ -657,7 +657,7 @@ def write_best(cfg: Config, best: Result, budget: float, out: Path) -> list[Path
     """Re-plan the best candidate here and write its plan.json and the --set overrides (one per line,
     the budget included) that reproduce it."""
     from .planner import plan
-    from .render import dumps_plan_bytes
+    from .planfile import dumps_plan_bytes
 
     out.mkdir(parents=True, exist_ok=True)
     sets = best.set_args()
@@ -672,7 +672,7 @@ def write_best(cfg: Config, best: Result, budget: float, out: Path) -> list[Path
 
 def _write_json(path: Path, tuner: Tuner, megatron: Result | None, front: list[Result], best: Result | None,
                 elapsed: float) -> Path:
-    from .render import dumps_json
+    from .planfile import dumps_json
 
     def row(r: Result) -> dict:
         d = asdict(r)

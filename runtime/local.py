@@ -11,7 +11,7 @@ import torch
 
 from k3sched.config import Config
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 
 from .executor import Executor, StepRecord, stage_lanes
 from .groups import Layout, build_groups

@@ -359,8 +359,9 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
     """Plan the step; every rank's plan must be byte-identical and NCCL-safe; rank 0 writes plan.json."""
     from k3sched.config import ConfigError
     from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
-    from k3sched.planner import InfeasibleBudget, plan
-    from k3sched.render import plan_to_json
+    from k3sched.limits import InfeasibleBudget
+    from k3sched.planner import plan
+    from k3sched.planfile import plan_to_json
 
     from runtime.groups import verify_same_plan
 
@@ -490,7 +491,7 @@ def _lane_busy(record, device) -> list[list[float]]:
     import torch.distributed as dist
 
     from k3sched.tasks import COMM_LANES, LANES
-    from traces.intervals import overlap_length, union_length
+    from k3sched.intervals import overlap_length, union_length
 
     timings = record.timings if record is not None else ()
     busy = torch.zeros(len(LANES) + 2, dtype=torch.float64)

@@ -20,7 +20,8 @@ from k3sched.config import (GiB, ConfigError, HardwareConfig, ModelConfig, Paral
 from k3sched.cost import load_profile
 from k3sched.graph import OffloadChoice, build_step
 from k3sched.limits import check_limits, count_tasks, memory_lower_bound
-from k3sched.planner import InfeasibleBudget, plan
+from k3sched.limits import InfeasibleBudget
+from k3sched.planner import plan
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 K2 = CONFIGS / "k2-like.yaml"

@@ -1,5 +1,5 @@
 """Layering: k3sched imports no torch; traces needs only the plan format (k3sched.tasks and
-k3sched.planfile; no torch, no runtime)."""
+k3sched.planfile) and the interval unions (k3sched.intervals); no torch, no runtime."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_traces_needs_only_the_plan_format():
     mods = _modules_after("import traces.validate, traces.cli, traces.nsys, traces.chrome")
     assert "torch" not in mods
     assert not {m for m in mods if m.split(".")[0] in ("runtime", "moe", "offload")}
-    assert not {m for m in mods if m.startswith("k3sched.") and m not in ("k3sched.tasks", "k3sched.planfile")}, \
+    assert not {m for m in mods if m.startswith("k3sched.") and m not in ("k3sched.tasks", "k3sched.planfile", "k3sched.intervals")}, \
         sorted(m for m in mods if m.startswith("k3sched."))
 
 

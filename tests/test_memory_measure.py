@@ -19,7 +19,7 @@ import torch
 
 from k3sched.config import load_config
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import Kind
 from offload import ActivationManager
 from offload.memory import HeapMeter, MemoryTracker, MeterUnavailable, format_memory

@@ -28,7 +28,7 @@ import torch
 
 from k3sched.config import load_config
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import Kind
 from moe import handoff
 from runtime.executor import Executor, PlanTask, TaskError, stage_lanes

@@ -142,7 +142,7 @@ def test_k3_and_serial_plans_give_the_same_loss_with_offload():
 def test_noop_overhead_is_small():
     cfg = load_config(TINY)
     from k3sched.planner import plan
-    from k3sched.render import plan_to_json
+    from k3sched.planfile import plan_to_json
     from runtime.executor import stage_lanes
 
     lanes = stage_lanes(plan_to_json(plan(cfg)), 1)

@@ -182,7 +182,7 @@ def _levels_fit(ev: dict[int, list[tuple[int, int]]], budget: int, static: list)
 def _lower_bound(g: StepGraph, dur: dict[str, int], scale: int) -> tuple[dict[str, int], dict[str, int], int]:
     """Heads, tails and a lower bound on the rounded makespan: the longest chain and the planner's
     bound (valid for D, so for D' >= D)."""
-    from ..planner import lower_bound_us
+    from ..bound import lower_bound_us
 
     head, tail = _heads_tails(g, dur)
     cp_len = max(head[t] + dur[t] + tail[t] for t in g.tasks)

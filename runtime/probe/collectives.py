@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from runtime.launch import REPO, first_error, free_port, kill_group
+from runtime.launch import REPO, first_error, kill_group
+from runtime.testbed import free_port
 from runtime.options import LaunchEnv
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -269,7 +269,7 @@ def executor_overhead_us(steps: int = 10) -> tuple[float, str]:
     try:
         from k3sched.config import load_config
         from k3sched.planner import plan
-        from k3sched.render import plan_to_json
+        from k3sched.planfile import plan_to_json
         from runtime.executor import Executor, noop_handlers, stage_lanes
 
         cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["parallel.pp=1", "parallel.ep=2"])
