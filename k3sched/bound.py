@@ -182,7 +182,7 @@ def stage_memory_bounds(g: StepGraph, budget_bytes: int | None = None, paths: tu
 def _core_bounds(g: StepGraph, budget: int, head: dict, tail: dict) -> list[float]:
     """Per stage the round-trip bound of [Note: memory-aware lower bound] (offload off only)."""
     tasks = g.tasks
-    pp, M = g.cfg.parallel.pp, g.cfg.parallel.microbatches
+    pp = g.cfg.parallel.pp
     by_mb: dict[int, list[str]] = defaultdict(list)
     for tid, t in tasks.items():
         if t.mb is not None and t.mb >= 0:

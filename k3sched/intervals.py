@@ -45,6 +45,19 @@ def covered_each(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return below(a[:, 1]) - below(a[:, 0])
 
 
+def alone_shares(groups: dict) -> dict:
+    """For each group's intervals (key -> n x 2 array, every end after its start), the share of each
+    interval that no other group's intervals cover ([Note: compute alone] in k3sched/planner.py:
+    the groups are ranks or stages, the intervals their compute)."""
+    merged = {g: merge(iv) for g, iv in groups.items()}
+    out = {}
+    for g, iv in groups.items():
+        others = [v for h, v in merged.items() if h != g and len(v)]
+        cov = covered_each(iv, merge(np.concatenate(others))) if others else np.zeros(len(iv))
+        out[g] = np.maximum(0.0, 1.0 - cov / (iv[:, 1] - iv[:, 0]))
+    return out
+
+
 def _pairs(start, end) -> np.ndarray:
     return np.stack([np.asarray(start, float), np.asarray(end, float)], axis=1).reshape(-1, 2)
 

@@ -10,23 +10,10 @@ import numpy as np
 
 from .bound import lower_bound_us, memory_lower_bound_us, path_bounds
 from .graph import StepGraph
-from .intervals import covered, covered_each, merge
+from .intervals import covered, merge
 from .planfile import PlanMetrics
 from .simulator import MemoryTimeline, memory_timeline
 from .tasks import LANE_INDEX, LANES, Task
-
-def alone_shares(groups: dict) -> dict:
-    """For each group's intervals (key -> n x 2 array, every end after its start), the share of each
-    interval that no other group's intervals cover ([Note: compute alone] in k3sched/planner.py:
-    the groups are ranks or stages, the intervals their compute)."""
-    merged = {g: merge(iv) for g, iv in groups.items()}
-    out = {}
-    for g, iv in groups.items():
-        others = [v for h, v in merged.items() if h != g and len(v)]
-        cov = covered_each(iv, merge(np.concatenate(others))) if others else np.zeros(len(iv))
-        out[g] = np.maximum(0.0, 1.0 - cov / (iv[:, 1] - iv[:, 0]))
-    return out
-
 
 def compute_metrics(g: StepGraph, memory: dict[tuple[int, str], MemoryTimeline]) -> PlanMetrics:
     """The figures of a planned step that its graph and memory give; the planner adds its own

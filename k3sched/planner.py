@@ -41,8 +41,8 @@ from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared, _retim
 from .pipelines import TABLE
 from .planfile import PlanMetrics
 from .seqslice import seq1f1b
-from .intervals import covered_each, merge
-from .metrics import alone_shares, compute_metrics, device_memory, device_peak_per_stage
+from .intervals import alone_shares, covered_each, merge
+from .metrics import compute_metrics, device_memory, device_peak_per_stage
 from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
 from .tasks import Kind, Task

@@ -260,7 +260,7 @@ def _memory_panel(draw, plan: "Plan", left: int, width: int, y: int, mem_h: int,
         yb = ybot - budget / peak * (mem_h - 4)
         for xs in range(left, left + width, 12):
             draw.line([(xs, yb), (xs + 6, yb)], fill="red", width=1)
-    draw.text((4, ytop), f"device GiB", fill="black", font=small)
+    draw.text((4, ytop), "device GiB", fill="black", font=small)
     for frac in (0.0, 0.5, 1.0):
         draw.text((left - 40, ybot - frac * (mem_h - 4) - 6), f"{peak * frac / 2**30:.1f}", fill="black",
                   font=small)

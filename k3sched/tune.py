@@ -634,7 +634,7 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
         console.print(f"Megatron default: not planned ({megatron.error})", highlight=False)
     own = next((r for r in tuner.results if r.phase == "config"), None)
     if own is not None and best is not None:
-        console.print(f"the config as given: " + (f"{own.rank_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
+        console.print("the config as given: " + (f"{own.rank_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
                                                   f"tuned {own.rank_us / best.rank_us:.3f}x faster" if own.ok
                                                   else f"not planned ({own.error})"), highlight=False)
     if best is None:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from traces.calibrate import Fit, fit_profile, write_profile
 from k3sched.cli import app
-from k3sched.cost import load_profile
+from k3sched.profile import load_profile
 from traces import synth
 from traces.chrome import table_from_runtime
 
