@@ -174,7 +174,7 @@ def main() -> None:
     base = a.out or Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     base.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    from runtime.probe import executor_overhead_us
+    from runtime.probe.inprocess import executor_overhead_us
 
     over_us, how = executor_overhead_us(steps=20)
     k3 = runtime_step_s("k3", a.steps, base / "k3")

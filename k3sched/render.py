@@ -132,7 +132,7 @@ def _rgb(hex_color: str) -> tuple[int, int, int]:
     return int(hex_color[1:3], 16), int(hex_color[3:5], 16), int(hex_color[5:7], 16)
 
 
-def _font(size: int):
+def load_font(size: int):
     from PIL import ImageFont
 
     try:
@@ -188,7 +188,7 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
     plans = plans if isinstance(plans, list) else [plans]
     width, left, right, top = 1400, 130, 20, 8
     row_h, gap, mem_h, title_h, axis_h = 6, 1, 150, 22, 30
-    font, small = _font(12), _font(9)
+    font, small = load_font(12), load_font(9)
     blocks = []
     for plan in plans:
         pp = plan.cfg.parallel.pp

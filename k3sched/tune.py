@@ -510,13 +510,13 @@ def pareto_png(results: list[Result], front: list[Result], best: Result | None, 
     (blue square): step time against peak device memory, drawn with Pillow."""
     from PIL import Image, ImageDraw
 
-    from .render import _font
+    from .render import load_font
 
     ok = [r for r in results if r.ok] + ([megatron] if megatron is not None and megatron.ok else [])
     w, h, left, bottom, top, right = 900, 560, 80, 50, 30, 20
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
-    font = _font(11)
+    font = load_font(11)
     d.text((left, 8), "k3sched tune: step time vs peak device memory (red: Pareto front, blue: Megatron default)",
            fill="black", font=font)
     if ok:

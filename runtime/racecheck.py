@@ -484,7 +484,7 @@ def launch_args(doc: Mapping, racecheck: bool, drops: Sequence[str] | None) -> l
     ``doc`` before launching: ValueError, one line, for an edge no rank waits on)."""
     out = ["--racecheck"] if racecheck else []
     if drops:
-        from .executor import stage_lanes
+        from k3sched.lowering import stage_lanes
         from .stage import StageRunner
 
         deps: dict[str, tuple[str, ...]] = {}

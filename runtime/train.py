@@ -384,7 +384,7 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
 def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
     """(spec, lanes, runner) of this rank's stage: its P2P and remote groups built and warmed up,
     the runner bound to the plan, fault injection set (from ``s.opts``)."""
-    from runtime.executor import stage_lanes
+    from k3sched.lowering import stage_lanes
     from runtime.groups import build_mirror_groups, build_p2p_groups, p2p_edges, warm_up_p2p
     from runtime.stage import StageRunner, StageSpec, build_remote_group
 

@@ -101,7 +101,8 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
 
     from k3sched.planner import plan
     from k3sched.planfile import plan_to_json
-    from runtime.executor import Executor, stage_lanes
+    from k3sched.lowering import stage_lanes
+    from runtime.executor import Executor
     from runtime.groups import Layout, build_groups
     from runtime.stage import StageRunner, StageSpec
 

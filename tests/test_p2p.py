@@ -195,7 +195,8 @@ def test_seeded_crossing_on_the_remote_communicator_is_rejected():
 def test_the_check_replays_the_program_the_executor_runs():
     """p2pcheck reads each stage as the runtime's executor runs it ([Note: lowering]): the same
     lanes, start dependencies and same-stage dependencies, tokens included."""
-    from runtime.executor import Executor, noop_handlers, stage_lanes
+    from k3sched.lowering import stage_lanes
+    from runtime.executor import Executor, noop_handlers
 
     from k3sched import p2pcheck
 

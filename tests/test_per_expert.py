@@ -137,7 +137,8 @@ def test_the_probe_measures_a_per_expert_part_that_plans(tmp_path):
     """The real measurement, one copy (in this process) at tiny-cpu's shapes (PP 2 x EP 2, its world
     size named: the fewer-experts profile runs at ep 1 all the same): a slope per expert kind, at
     least 0 and below the kind's own time over its experts; the written profile loads."""
-    from runtime.probe import measure_fewer_experts, measure_ops, per_expert_slopes, write_ops_profile
+    from runtime.probe import measure_fewer_experts, per_expert_slopes, write_ops_profile
+    from runtime.probe.inprocess import measure_ops
 
     cfg = load_config(TINY, ["parallel.world_size=4"])
     ops = measure_ops(cfg)

@@ -27,7 +27,8 @@ from runtime.testbed import free_port
 from runtime.options import LaunchEnv
 
 KiB, MiB = 1 << 10, 1 << 20
-from .inprocess import COLL_SIZES, OPS, RESULT_FILE, Fit, KiB, MiB, ProbeError, _sync_of, bus_factor, fit_latency_bandwidth
+from .inprocess import (COLL_SIZES, OPS, RESULT_FILE, Fit, KiB, MiB, ProbeError, bus_factor, fit_latency_bandwidth,
+                        sync_of)
 
 # -- collectives -----------------------------------------------------------------------------------
 
@@ -158,7 +159,7 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
 
     n, me = len(ranks), ranks.index(rank)
     nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
-    sync = _sync_of(device)
+    sync = sync_of(device)
     out: dict[str, list[dict]] = {}
     for op in OPS:
         rows = []
