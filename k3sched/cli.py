@@ -406,8 +406,7 @@ def validate(
 
     raise typer.Exit(validate_main(str(plan_path), [str(t) for t in traces],
                                    json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us,
-                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events,
-                                   clock=clock))
+                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events, clock=clock))
 
 
 @command()

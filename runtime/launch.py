@@ -116,10 +116,10 @@ PLANNED_ONLY = {n: p.planned_only for n, p in PIPELINE_TABLE.items() if p.planne
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
     """Validate before launching; returns (cfg, plan doc) or raises ValueError (one line)."""
     from k3sched.config import ConfigError, load_config
-    from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
     from k3sched.limits import InfeasibleBudget
-    from k3sched.planner import plan
+    from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
     from k3sched.planfile import plan_to_json
+    from k3sched.planner import plan
     from k3sched.simulator import DeadlockError
 
     try:

@@ -360,8 +360,8 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
     from k3sched.config import ConfigError
     from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
     from k3sched.limits import InfeasibleBudget
-    from k3sched.planner import plan
     from k3sched.planfile import plan_to_json
+    from k3sched.planner import plan
 
     from runtime.groups import verify_same_plan
 
@@ -628,8 +628,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         **runner.memory.summary_fields(mems),
         "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
         "offloaded_sets": doc["metrics"].get("offloaded_sets"),
-        "racecheck": race_doc,
-        "warmup_steps": args.warmup_steps, "first_step": first_step,
+        "racecheck": race_doc, "warmup_steps": args.warmup_steps, "first_step": first_step,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "step_wall_s": log.walls, **_busy_fields(doc, log.busy), "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
         "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from k3sched.config import GiB, config_from_dict, load_config
 from k3sched.limits import InfeasibleBudget
-from k3sched.planner import plan
 from k3sched.planfile import dumps_plan
+from k3sched.planner import plan
 from k3sched.simulator import DeadlockError, simulate
 from k3sched.tasks import Kind, Mem, Task
 
