@@ -57,7 +57,7 @@ def plan_out_row(cfg, n: int = 3) -> None:
     draws the PNG, [Note: parallel outputs] in k3sched/render.py)."""
     import gc
 
-    from k3sched import render
+    from k3sched import planfile, render
     from k3sched.p2pcheck import check_p2p_transfers
 
     walls, cpus = [], []
@@ -72,7 +72,7 @@ def plan_out_row(cfg, n: int = 3) -> None:
             cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     p = plan(cfg)
     gc.freeze()
-    parts = {"P2P check": lambda: check_p2p_transfers(p), "plan.json": lambda: render.dumps_plan_bytes(p),
+    parts = {"P2P check": lambda: check_p2p_transfers(p), "plan.json": lambda: planfile.dumps_plan_bytes(p),
              "trace": lambda: render.dumps_trace_bytes(p)}
     with tempfile.TemporaryDirectory() as d:
         parts["png"] = lambda: render.png_timeline(p, Path(d) / "t.png")

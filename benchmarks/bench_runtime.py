@@ -38,7 +38,7 @@ def runtime_step_s(strategy: str, steps: int, out: Path) -> float:
 
 
 def deepspeed_step_s(steps: int, out: Path) -> float:
-    from runtime.launch import free_port
+    from runtime.testbed import free_port
 
     cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(Path(__file__).resolve()), "--ds-worker", str(out),
@@ -174,7 +174,7 @@ def main() -> None:
     base = a.out or Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     base.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    from runtime.probe import executor_overhead_us
+    from runtime.probe.inprocess import executor_overhead_us
 
     over_us, how = executor_overhead_us(steps=20)
     k3 = runtime_step_s("k3", a.steps, base / "k3")

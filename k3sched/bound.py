@@ -1,7 +1,8 @@
-"""Memory-aware lower bound on the step time, and where a plan's gap to it goes.
+"""Lower bounds on the step time (critical path, one task at a time per lane, memory-aware), and
+where a plan's gap to them goes.
 
 [Note: memory-aware lower bound]
-``planner.lower_bound_us`` ignores memory: every stage may run all of its forwards before its
+``lower_bound_us`` ignores memory: every stage may run all of its forwards before its
 first backward. Under a device budget a stage cannot: every forward compute task allocates its
 saved activations at its start, and nothing that stage runs before its first backward frees
 activation memory except activation offload (local or remote), whose lanes move at most
@@ -39,6 +40,7 @@ memory budget modeled (``exact.solve_exact(budget_bytes=...)``).
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -48,6 +50,73 @@ from .tasks import P2P_KINDS, Kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from .planner import Plan
+
+
+def path_bounds(g: StepGraph) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Critical path with unlimited lanes, and per task its earliest start (head) and the longest
+    chain that must follow its end (tail). Start deps count as zero-length start-to-start edges."""
+    tasks, start_deps = g.tasks, g.start_deps
+    head: dict[str, float] = {}
+    fin: dict[str, float] = {}  # head + duration
+    for tid, t in tasks.items():  # creation order is topological
+        s = 0.0
+        for d in t.deps:
+            e = fin[d]
+            if e > s:
+                s = e
+        sd = start_deps.get(tid)
+        if sd:
+            for d in sd:
+                if head[d] > s:
+                    s = head[d]
+        head[tid] = s
+        fin[tid] = s + t.duration_us
+    tail: dict[str, float] = dict.fromkeys(tasks, 0.0)
+    for t in reversed(tasks.values()):
+        after = tail[t.id] + t.duration_us  # chain from this task's start to the sink
+        for d in t.deps:
+            if after > tail[d]:
+                tail[d] = after
+    cp = max((fin[t] + tail[t] for t in tasks), default=0.0)
+    return cp, head, tail
+
+
+def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:
+    """Makespan of the optimal preemptive one-machine schedule of jobs (release, duration, tail):
+    run the released job with the longest tail (Jackson's rule). It is a lower bound on any
+    non-preemptive schedule of the same jobs on that machine."""
+    jobs = sorted(jobs)
+    ready: list[tuple[float, float, int]] = []  # (-tail, remaining, index)
+    t, i, best, n = 0.0, 0, 0.0, len(jobs)
+    while i < n or ready:
+        if not ready and t < jobs[i][0]:
+            t = jobs[i][0]
+        while i < n and jobs[i][0] <= t:
+            heapq.heappush(ready, (-jobs[i][2], jobs[i][1], i))
+            i += 1
+        negq, rem, j = heapq.heappop(ready)
+        nxt = jobs[i][0] if i < n else float("inf")
+        run = min(rem, nxt - t)
+        t += run
+        if rem - run > 1e-12:
+            heapq.heappush(ready, (negq, rem - run, j))
+        else:
+            best = max(best, t - negq)
+    return best
+
+
+def lower_bound_us(g: StepGraph, paths: tuple | None = None) -> tuple[float, float, float]:
+    """(bound, critical path, max lane busy). ``paths``: ``path_bounds(g)`` if known. Each task gets its earliest start (head) and the
+    chain that must follow it (tail) from the DAG; each (stage, lane) runs one task at a time, so
+    the optimal preemptive schedule of its tasks with those heads and tails (Jackson's rule) bounds
+    the step from below; so does the critical path."""
+    cp, head, tail = paths if paths is not None else path_bounds(g)
+    jobs: dict[tuple[int, str], list[tuple[float, float, float]]] = defaultdict(list)
+    for tid, t in g.tasks.items():
+        jobs[(t.stage, t.lane)].append((head[tid], t.duration_us, tail[tid]))
+    busy = max((sum(j[1] for j in js) for js in jobs.values()), default=0.0)
+    bound = max([cp] + [_jackson_preemptive(js) for js in jobs.values()])
+    return bound, cp, busy
 
 
 def _offload_rate(g: StepGraph) -> float:
@@ -68,9 +137,7 @@ def _offload_rate(g: StepGraph) -> float:
 
 def stage_memory_bounds(g: StepGraph, budget_bytes: int | None = None, paths: tuple | None = None) -> list[dict]:
     """Per stage the quantities of [Note: memory-aware lower bound] and the stage's bound ``t_us``.
-    ``paths``: ``planner.path_bounds(g)`` when the caller has it."""
-    from .planner import path_bounds
-
+    ``paths``: ``path_bounds(g)`` when the caller has it."""
     cfg = g.cfg
     budget = cfg.budget_bytes if budget_bytes is None else budget_bytes
     _, head, tail = paths if paths is not None else path_bounds(g)
@@ -115,7 +182,7 @@ def stage_memory_bounds(g: StepGraph, budget_bytes: int | None = None, paths: tu
 def _core_bounds(g: StepGraph, budget: int, head: dict, tail: dict) -> list[float]:
     """Per stage the round-trip bound of [Note: memory-aware lower bound] (offload off only)."""
     tasks = g.tasks
-    pp, M = g.cfg.parallel.pp, g.cfg.parallel.microbatches
+    pp = g.cfg.parallel.pp
     by_mb: dict[int, list[str]] = defaultdict(list)
     for tid, t in tasks.items():
         if t.mb is not None and t.mb >= 0:
@@ -173,16 +240,12 @@ def memory_lower_bound_us(g: StepGraph, budget_bytes: int | None = None, lb: flo
                           paths: tuple | None = None) -> float:
     """Lower bound on the step time of any schedule of ``g`` that keeps every stage's device
     memory within ``budget_bytes`` (default: the config's budget); see
-    [Note: memory-aware lower bound]. Never below ``planner.lower_bound_us`` (``lb`` when given)."""
-    from .planner import lower_bound_us
-
+    [Note: memory-aware lower bound]. Never below ``lower_bound_us`` (``lb`` when given)."""
     if lb is None:
         lb = lower_bound_us(g)[0]
     stages = stage_memory_bounds(g, budget_bytes, paths)
     best = max([lb] + [st["t_us"] for st in stages])
     if _offload_rate(g) == 0.0:
-        from .planner import path_bounds
-
         _, head, tail = paths if paths is not None else path_bounds(g)
         budget = g.cfg.budget_bytes if budget_bytes is None else budget_bytes
         best = max([best] + _core_bounds(g, budget, head, tail))

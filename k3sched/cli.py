@@ -57,7 +57,7 @@ def _user_error_types() -> tuple[type, ...]:
     """Exception classes that mean bad input, from the modules already loaded (a class whose
     module was never imported cannot have been raised)."""
     types: list[type] = [ConfigError]
-    for mod, name in (("k3sched.planner", "InfeasibleBudget"), ("traces.events", "TraceError"),
+    for mod, name in (("k3sched.limits", "InfeasibleBudget"), ("traces.events", "TraceError"),
                       ("runtime.testbed", "TestbedError")):
         cls = getattr(sys.modules.get(mod), name, None)
         if isinstance(cls, type):
@@ -163,7 +163,8 @@ def _load(config: Path, overrides: Optional[List[str]]):
 
 
 def _plan_or_fail(cfg, strategy: Optional[str] = None, schedule=None):
-    from .planner import InfeasibleBudget, plan
+    from .limits import InfeasibleBudget
+    from .planner import plan
     from .simulator import DeadlockError
 
     try:
@@ -405,8 +406,7 @@ def validate(
 
     raise typer.Exit(validate_main(str(plan_path), [str(t) for t in traces],
                                    json_out=str(json_out) if json_out else None, tolerance_us=tolerance_us,
-                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events,
-                                   clock=clock))
+                                   cross_rank_clocks=cross_rank_clocks, skip_bad_events=skip_bad_events, clock=clock))
 
 
 @command()

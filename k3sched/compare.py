@@ -240,7 +240,8 @@ def write_compare(rows: list[Row], plans: "list[Plan | None] | None", out_dir: s
     """Write ``<out>/<schedule>-<strategy>/plan.json`` for each planned row, ``<out>/compare.json``
     (the rows) and ``<out>/compare.png`` (every timeline stacked). ``plans`` aligns with ``rows``
     (None: the plans the rows carry)."""
-    from .render import dumps_plan_bytes, png_timeline
+    from .planfile import dumps_plan_bytes
+    from .render import png_timeline
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

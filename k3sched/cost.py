@@ -46,14 +46,13 @@ from dataclasses import dataclass
 
 from .config import STORAGE_OPS, Config
 from .placement import GroupPlacement, RankOrder, group_placement, stage_pair_crosses
-from .profile import PROFILE_FORMAT, Profile, load_profile  # noqa: F401 - cost.NAME for callers
+from .profile import Profile, load_profile
 from .seqslice import keys
-from .tasks import LANE_OF, Kind
+from .tasks import EXPERT_KINDS, LANE_OF, Kind
 
 _FP8_A2A = frozenset({Kind.DISPATCH_FWD, Kind.DISPATCH_RE, Kind.COMBINE_BWD})
 """All-to-alls whose payload feeds an expert GEMM: FP8 under ``schedule.fp8_dispatch``."""
 
-_EXPERT_KINDS = frozenset({Kind.EXPERT_FWD, Kind.EXPERT_DX, Kind.EXPERT_DW})
 """Routed-expert GEMMs: their duration follows the busiest EP rank's load ([Note: skewed cost] in
 k3sched/balance.py)."""
 
@@ -197,7 +196,7 @@ class CostModel:
         (:meth:`local_experts`). ``k3sched probe`` measures it from a second operator profile with
         the experts of one EP rank (``experts / ep``; half of them at ep 1): the line through the
         two. 0 (no entry): the profiled time scales with the tokens alone."""
-        return self.profile.per_expert_us.get(kind.value, 0.0) if kind in _EXPERT_KINDS else 0.0
+        return self.profile.per_expert_us.get(kind.value, 0.0) if kind in EXPERT_KINDS else 0.0
 
     def at_local_experts(self, kind: Kind, profiled_us: float, token_scale: float = 1.0) -> float:
         """A profiled time of ``kind`` (every expert on one rank) as this config's rank pays it: the
@@ -643,7 +642,7 @@ class CostModel:
             if self.slice is not None:  # a whole micro-batch's time: the slice's share of its FLOPs or tokens
                 whole = self._whole.flops(kind)
                 scale = self.flops(kind) / whole if whole else self._slice_fraction()
-            if kind in _EXPERT_KINDS:
+            if kind in EXPERT_KINDS:
                 scale *= self.skew_factors()[0]
             return self.at_local_experts(kind, measured, scale)
         if kind in _GEMM:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from .config import Config, ConfigError
 from .cost import CostModel
-from .layersplit import _min_max_split, layers_by_vstage, split_layers  # noqa: F401 - graph's API too
+from .layersplit import split_layers
 from .pipelines import TABLE as PIPELINE_TABLE
 from .schedules import Placement
 from .seqslice import slice_bounds, unit_of
@@ -513,7 +513,7 @@ class _Builder:
     def gradients(self, step: int = 0) -> None:
         """Gradient reduction and the optimizer of the plan's step ``step`` (one step but for
         pipedream-2bw)."""
-        cfg, pl, cost = self.cfg, self.pl, self.cost
+        cfg, cost = self.cfg, self.cost
         mbs_of = self.mbs_of if self.steps == 1 else (lambda v: self.mbs_of(v, step))
         last_mb = None if self.steps == 1 else (step + 1) * cfg.parallel.microbatches - 1
         p = cfg.parallel

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
-from .config import Config
+from dataclasses import dataclass
+from typing import Any
+
+from .config import Config, ConfigError
 from .cost import CostModel
+from .profile import PROFILE_FORMAT, load_profile
 from .tasks import Kind
 
 
@@ -25,8 +29,6 @@ def split_layers(cfg: Config) -> list[list[int]]:
     if cfg.parallel.layer_split == "even":
         return layers_by_vstage(cfg.model.layers, nv)
     if cfg.parallel.layer_split == "profile":
-        from .rebalance import profile_split, times_from_profile
-
         return profile_split(times_from_profile(cfg), nv)
     key = cfg.model_dump_json()  # a pure function of the config: one plan asks three times
     if key not in _BALANCED:
@@ -38,7 +40,7 @@ def split_layers(cfg: Config) -> list[list[int]]:
         embed = sum(cost.flops(k) for k in (Kind.EMBED_FWD, Kind.EMBED_DW))
         if len(_BALANCED) >= 32:
             _BALANCED.clear()
-        _BALANCED[key] = _min_max_split(w, nv, first_extra=embed, last_extra=head)
+        _BALANCED[key] = min_max_split(w, nv, first_extra=embed, last_extra=head)
     return [list(g) for g in _BALANCED[key]]
 
 
@@ -46,7 +48,7 @@ _BALANCED: dict[str, list[list[int]]] = {}
 """Balanced splits by config (its JSON): the limits, the graph and the memory bound each need it."""
 
 
-def _min_max_split(w: list[float], parts: int, first_extra: float, last_extra: float) -> list[list[int]]:
+def min_max_split(w: list[float], parts: int, first_extra: float, last_extra: float) -> list[list[int]]:
     """Contiguous split of items ``w`` into ``parts`` groups minimising the largest group weight
     (group 0 also carries ``first_extra``, the last group ``last_extra``); among those, the one
     whose group 0 holds the fewest items but at least one, unless the plain DP leaves it empty
@@ -86,7 +88,7 @@ def _fewest_first(w: list[float], parts: int, first_extra: float, last_extra: fl
 
 def _min_max_dp(w: list[float], parts: int, first_extra: float, last_extra: float,
                 first: int | None) -> tuple[float, list[list[int]]]:
-    """(largest group weight, split) of :func:`_min_max_split`'s DP; ``first``: group 0 holds
+    """(largest group weight, split) of :func:`min_max_split`'s DP; ``first``: group 0 holds
     exactly that many items (None: any number)."""
     n = len(w)
     pre = [0.0]
@@ -129,3 +131,47 @@ def layers_by_vstage(n_layers: int, n_vstages: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+@dataclass
+class LayerTimes:
+    """Measured per-micro-batch times (µs) of a run ([Note: profile split])."""
+
+    layer_us: list[float]
+    embed_us: float
+    head_us: float
+    p2p_us: float
+    steps: int
+    ranks: int
+
+    def to_profile(self, source: str = "") -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "source": source,
+                "layer_us": [round(x, 3) for x in self.layer_us], "embed_us": round(self.embed_us, 3),
+                "head_us": round(self.head_us, 3), "p2p_us": round(self.p2p_us, 3)}
+
+
+def profile_split(lt: LayerTimes, parts: int) -> list[list[int]]:
+    """The layers of each of ``parts`` vstages minimising the largest vstage time ([Note: profile
+    split]). Every vstage but the first and the last pays two receives, those two one each (with
+    ``parts > 1``); the same constant taken off every vstage leaves the argmin unchanged."""
+    r = lt.p2p_us if parts > 1 else 0.0
+    return min_max_split(list(lt.layer_us), parts, first_extra=lt.embed_us - r, last_extra=lt.head_us - r)
+
+
+def times_from_profile(cfg: Config) -> LayerTimes:
+    """The measured times of ``cfg``'s ``schedule.profile`` for ``layer_split: profile``; ConfigError
+    (one line) when the profile has no per-layer times or not one per model layer."""
+    path = cfg.schedule.profile
+    if not path:
+        raise ConfigError("parallel.layer_split: profile needs schedule.profile (a profile with layer_us, written "
+                          "by k3sched rebalance); got no schedule.profile")
+    prof = load_profile(path)
+    if not prof.layer_us:
+        raise ConfigError(f"schedule.profile: {path}: no per-layer times (layer_us) for parallel.layer_split: "
+                          "profile; allowed: a profile written by k3sched rebalance RUN_DIR (or "
+                          "layer_split balanced / even)")
+    if len(prof.layer_us) != cfg.model.layers:
+        raise ConfigError(f"schedule.profile: {path}: layer_us has {len(prof.layer_us)} per-layer times, the "
+                          f"model has {cfg.model.layers} layers; allowed: one time per model layer (rebalance a "
+                          f"run of this model)")
+    return LayerTimes(list(prof.layer_us), prof.embed_us, prof.head_us, prof.p2p_us, 0, 0)

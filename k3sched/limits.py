@@ -13,7 +13,7 @@ one line naming the limit and how to change it:
 * the balanced layer split (``parallel.layer_split: balanced``) is a dynamic program of about
   chunks x layers^2 / 2 steps; more than :data:`MAX_SPLIT_STEPS` is refused (ConfigError).
 * :func:`memory_lower_bound`: per stage, bytes that every plan holds at some instant; a budget
-  below it is refused with the planner's InfeasibleBudget ([Note: memory lower bound]), naming a
+  below it is refused with InfeasibleBudget ([Note: memory lower bound]), naming a
   lower bound of the smallest feasible budget. Small plans (:data:`EXACT_BUDGET_TASKS`) are left to
   the planner, whose search then names the exact smallest feasible budget within about a second;
   for a larger plan that search would take far longer than the bound, which refuses it at once.
@@ -30,7 +30,6 @@ from .cost import CostModel
 from .graph import placement_for
 from .layersplit import split_layers
 from .pipelines import TABLE as PIPELINE_TABLE
-from .planner import InfeasibleBudget
 from .seqslice import slice_bounds
 from .steptable import BOUNDARY, CHUNK_FIRST, CHUNK_LAST, layer_steps
 from .tasks import Kind
@@ -48,6 +47,9 @@ a larger plan is refused from the bound at once."""
 MAX_STEP_BYTES = 1 << 62
 """One step's static plus activation bytes must stay below this (memory curves are int64)."""
 
+
+class InfeasibleBudget(ValueError):
+    """The device memory budget cannot be met; the message gives the smallest feasible budget."""
 
 
 def check_limits(cfg: Config) -> None:
@@ -102,7 +104,7 @@ def _round_up(n: int) -> int:
 
 
 def split_steps(cfg: Config) -> int:
-    """DP steps of the balanced (or profile) layer split (:func:`k3sched.layersplit._min_max_split`); 0 for
+    """DP steps of the balanced (or profile) layer split (:func:`k3sched.layersplit.min_max_split`); 0 for
     ``even`` or explicit ``stage_layers``."""
     if cfg.parallel.layer_split == "even" or cfg.parallel.stage_layers is not None:
         return 0

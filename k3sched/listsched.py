@@ -18,7 +18,7 @@ _BACKGROUND = frozenset({Kind.GRAD_RS, Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
 
 
 @dataclass
-class _Prepared:
+class Prepared:
     """Per-task arrays of a step graph, built once and reused by every scheduling attempt."""
 
     ids: list[str]
@@ -66,7 +66,7 @@ _MAX_SLOT = 1 << 30
 _NOT_MAIN = frozenset({Kind.OPTIM, Kind.GSHARD_ADD})
 
 
-def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
+def prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> Prepared:
     tasks = g.tasks
     ids = list(tasks)  # creation order == topological order
     index = {t: i for i, t in enumerate(ids)}
@@ -113,11 +113,11 @@ def _prepare(g: StepGraph, slots: dict[tuple[int, str, int], int]) -> _Prepared:
     feeds = [lane[i] != 0 and any(main[j] and stage[j] == stage[i] for j in succ[i]) for i in range(n)]
     layer = [-1 if tasks[tid].layer is None else tasks[tid].layer for tid in ids]
     vstage = [unit[tid][0] for tid in ids]
-    return _Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds, fwd,
+    return Prepared(ids, succ, ssucc, ndeps, nsdeps, stage, lane, slot, wgrad, main, p2p, bg, dur, feeds, fwd,
                      comm, send_of, len(comm_ids), layer, vstage)
 
 
-def _resources(g: StepGraph, prep: _Prepared, serial: bool) -> tuple[list[int], list[int]]:
+def _resources(g: StepGraph, prep: Prepared, serial: bool) -> tuple[list[int], list[int]]:
     """Resource id of every task and the compute resource of every stage. Communication and copy
     lanes come before compute, so a compute decision at an instant sees the transfers that start at
     that instant (gap-aware WGrad fill); lanes of one shared link are one resource
@@ -132,7 +132,7 @@ def _resources(g: StepGraph, prep: _Prepared, serial: bool) -> tuple[list[int], 
     return res, res_compute
 
 
-def _priority_keys(prep: _Prepared, serial: bool, lag: int, by_layer: bool = False) -> list[int]:
+def _priority_keys(prep: Prepared, serial: bool, lag: int, by_layer: bool = False) -> list[int]:
     """Ready-queue key of every task: backbone slot first (a WGrad task counts ``lag`` slots later
     and loses ties; a background collective yields to everything on its lane), then index."""
     key = []
@@ -186,7 +186,7 @@ def _drain_by_layer(pipeline: str) -> bool:
 # order.
 
 
-def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t: list[float],
+def lane_orders_of(g: StepGraph, prep: Prepared, orders: list[list[int]], start_t: list[float],
                  end_t: list[float]) -> dict[tuple[int, str], list[str]]:
     """Write the start and end times into the graph's tasks; the task ids per (stage, lane) in the
     order they started."""
@@ -204,11 +204,11 @@ def _lane_orders(g: StepGraph, prep: _Prepared, orders: list[list[int]], start_t
     return lane_orders
 
 
-def _retime(prep: _Prepared, orders: list[list[int]], dur: list[float], skip: frozenset[int] = frozenset()
+def retime(prep: Prepared, orders: list[list[int]], dur: list[float], skip: frozenset[int] = frozenset()
             ) -> tuple[list[float], list[float]]:
     """Start and end times of a schedule's fixed orders with durations ``dur``: each task starts
     when its dependencies have ended, its start dependencies have started and the task before it
-    on its resource (``orders``, as :func:`_list_schedule` leaves them) has ended, as the executor
+    on its resource (``orders``, as :func:`list_schedule` leaves them) has ended, as the executor
     runs a plan. Skipped tasks count as met. ([Note: transfer slack] in k3sched/planner.py.)"""
     n = len(prep.ids)
     succ, ssucc = prep.succ, prep.ssucc
@@ -258,7 +258,7 @@ class _SlotGate:
     matters most to plans that fit only at look-ahead 0 (K2-like zb-h2 at 80 GiB). ``serial`` plans
     keep the strict order."""
 
-    def __init__(self, prep: _Prepared, skip: frozenset[int], nstages: int, lookahead: int,
+    def __init__(self, prep: Prepared, skip: frozenset[int], nstages: int, lookahead: int,
                  serial: bool = False) -> None:
         self.remaining: list[dict[int, int]] = [defaultdict(int) for _ in range(nstages)]
         for i in range(len(prep.ids)):
@@ -299,7 +299,7 @@ class _SlotGate:
         return out
 
 
-def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
+def list_schedule(g: StepGraph, prep: Prepared, serial: bool, wgrad_lag: int, lookahead: int = 0,
                    skip: frozenset[int] = frozenset(), times: list | None = None, materialize: bool = True
                    ) -> dict[tuple[int, str], list[str]] | None:
     """Event-driven list scheduling (see module docstring). ``skip``: task indices left out (offload
@@ -307,7 +307,7 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
     given, receives ``(orders, start_t, end_t)``: each resource's task indices in start order and the
     times by task index. With ``materialize`` the times are written into the tasks and the lane
     orders (task ids per (stage, lane)) returned; without, nothing is written and None returned
-    (:func:`_lane_orders` does it later for the attempt kept)."""
+    (:func:`lane_orders_of` does it later for the attempt kept)."""
     n = len(prep.ids)
     stage_of, slot, succ, ssucc, dur = prep.stage, prep.slot, prep.succ, prep.ssucc, prep.dur
     is_main, is_p2p, is_bg, is_w, feeds = prep.main, prep.p2p, prep.background, prep.wgrad, prep.feeds_main
@@ -495,4 +495,4 @@ def _list_schedule(g: StepGraph, prep: _Prepared, serial: bool, wgrad_lag: int, 
                             f"{', '.join(stuck)}")
     if times is not None:
         times[:] = (orders, start_t, end_t)
-    return _lane_orders(g, prep, orders, start_t, end_t) if materialize else None
+    return lane_orders_of(g, prep, orders, start_t, end_t) if materialize else None

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .schedule_generators import (_1f1b, _chimera, _dualpipe, _dualpipev, _gpipe, _interleaved, _pipedream_2bw,
-                                  _v_half, _v_min, _zb_h1, _zb_h2, _zb_v)
+from .schedule_generators import (gen_1f1b, gen_chimera, gen_dualpipe, gen_dualpipev, gen_gpipe, gen_interleaved,
+                                  gen_pipedream_2bw, gen_v_half, gen_v_min, gen_zb_h1, gen_zb_h2, gen_zb_v)
 from .schedule_ir import Schedule
 
 Check = tuple[Callable[[int, int, int], bool], Callable[[str, int, int, int], str]]
@@ -94,40 +94,40 @@ class Pipeline:
 
 
 TABLE: dict[str, Pipeline] = {p.name: p for p in (
-    Pipeline("gpipe", _gpipe, 1, "loop", "bubble ratio (p-1)/(m+p-1); m micro-batches in flight",
+    Pipeline("gpipe", gen_gpipe, 1, "loop", "bubble ratio (p-1)/(m+p-1); m micro-batches in flight",
              "Huang et al., GPipe, NeurIPS 2019"),
-    Pipeline("1f1b", _1f1b, 1, "loop", "idle (p-1)(F+B); at most p micro-batches in flight",
+    Pipeline("1f1b", gen_1f1b, 1, "loop", "idle (p-1)(F+B); at most p micro-batches in flight",
              "Narayanan et al., PipeDream-Flush / Megatron-LM, SC 2021"),
-    Pipeline("interleaved-1f1b", _interleaved, 0, "loop", "idle (p-1)(F+B) per chunk, 1/vpp of 1F1B's",
+    Pipeline("interleaved-1f1b", gen_interleaved, 0, "loop", "idle (p-1)(F+B) per chunk, 1/vpp of 1F1B's",
              "Narayanan et al., Megatron-LM interleaved schedule, SC 2021",
              checks=(_vpp_at_least_2(), _mb_multiple_of_pp())),
-    Pipeline("zb-h1", _zb_h1, 1, "loop", "idle (p-1)(F+B-2W) at 1F1B's memory",
+    Pipeline("zb-h1", gen_zb_h1, 1, "loop", "idle (p-1)(F+B-2W) at 1F1B's memory",
              "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024"),
-    Pipeline("zb-h2", _zb_h2, 1, "loop", "idle <= (p-1)F (fill skew only) at 2p-1 micro-batches",
+    Pipeline("zb-h2", gen_zb_h2, 1, "loop", "idle <= (p-1)F (fill skew only) at 2p-1 micro-batches",
              "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024"),
-    Pipeline("zb-v", _zb_v, 2, "v", "idle <= (p-1)max(F, I) at 1F1B's memory",
+    Pipeline("zb-v", gen_zb_v, 2, "v", "idle <= (p-1)max(F, I) at 1F1B's memory",
              "Qi et al., Zero Bubble Pipeline Parallelism (V schedule), 2024", checks=(_v_shape(),)),
-    Pipeline("dualpipev", _dualpipev, 2, "v", "idle (p-1)(F&B+B-3W), F&B = F+B here",
+    Pipeline("dualpipev", gen_dualpipev, 2, "v", "idle (p-1)(F&B+B-3W), F&B = F+B here",
              "DeepSeek DualPipe README (DualPipeV, the cut-in-half DualPipe)",
              checks=(_v_shape(), _mb_at_least_2pp())),
-    Pipeline("dualpipe", _dualpipe, 2, "v", "idle (p/2-1)(F&B+B-3W); two parameter copies",
+    Pipeline("dualpipe", gen_dualpipe, 2, "v", "idle (p/2-1)(F&B+B-3W); two parameter copies",
              "DeepSeek-V3 technical report, 2024; DualPipe README", copies=2,
              checks=((lambda pp, vpp, m: bool(pp % 2 or m < 2 * pp),
                       lambda n, pp, vpp, m: f"schedule.pipeline: {n} needs an even pp and microbatches >= 2*pp; "
                                             f"got pp {pp}, microbatches {m}"),)),
-    Pipeline("v-half", _v_half, 2, "v", "bubble ratio ~ p/(2m) (F = B = W); peak activations (p+2)//2 "
+    Pipeline("v-half", gen_v_half, 2, "v", "bubble ratio ~ p/(2m) (F = B = W); peak activations (p+2)//2 "
              "micro-batches, about 1/2 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
              "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table", checks=(_v_shape(),)),
-    Pipeline("v-min", _v_min, 2, "v", "bubble ratio ~ 2p/(3m) (F = B = W); peak activations (p+4)//3 "
+    Pipeline("v-min", gen_v_min, 2, "v", "bubble ratio ~ 2p/(3m) (F = B = W); peak activations (p+4)//3 "
              "micro-batches, about 1/3 of 1F1B's p", "Qi et al., Pipeline Parallelism with Controllable "
              "Memory, NeurIPS 2024 (arXiv 2405.15362); the authors' table", checks=(_v_shape(),)),
-    Pipeline("chimera", _chimera, 2, "v", "bubble ratio (D-2)/(2N+D-2) with F = B, D = p stages, N = m "
+    Pipeline("chimera", gen_chimera, 2, "v", "bubble ratio (D-2)/(2N+D-2) with F = B, D = p stages, N = m "
              "micro-batches; two parameter copies", "Li & Hoefler, Chimera: Efficiently Training "
              "Large-Scale Neural Networks with Bidirectional Pipelines, SC 2021, Table 2", copies=2,
              checks=((lambda pp, vpp, m: bool(pp % 2 or m % 2),
                       lambda n, pp, vpp, m: f"schedule.pipeline: {n} needs an even pp and an even number of "
                                             f"microbatches; got pp {pp}, microbatches {m}"),)),
-    Pipeline("pipedream-2bw", _pipedream_2bw, 1, "loop", "no flush: steady-state idle 0; a plan of two steps "
+    Pipeline("pipedream-2bw", gen_pipedream_2bw, 1, "loop", "no flush: steady-state idle 0; a plan of two steps "
              "idles (p-1)(F+B), bubble ratio (p-1)/(2m+p-1), half of two 1F1B steps'; two weight versions",
              "Narayanan et al., Memory-Efficient Pipeline-Parallel DNN Training (PipeDream-2BW), ICML 2021",
              checks=((lambda pp, vpp, m: m < pp,

@@ -36,20 +36,16 @@ from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
-from .listsched import _lane_orders, _list_schedule, _prepare, _Prepared, _retime
+from .limits import InfeasibleBudget, check_limits, count_tasks, memory_lower_bound
+from .listsched import lane_orders_of, list_schedule, prepare, Prepared, retime
 from .pipelines import TABLE
 from .planfile import PlanMetrics
 from .seqslice import seq1f1b
-from .metrics import (  # noqa: F401 - lower_bound_us and path_bounds: planner.NAME for callers
-    _covered_each, _device_memory, _device_peak_per_stage, _merge, alone_shares, compute_metrics, lower_bound_us,
-    path_bounds)
+from .intervals import alone_shares, covered_each, merge
+from .metrics import compute_metrics, device_memory, device_peak_per_stage
 from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
-from .tasks import Kind, Task, format_task_id
-
-
-class InfeasibleBudget(ValueError):
-    """The device memory budget cannot be met; the message gives the smallest feasible budget."""
+from .tasks import Kind, Task
 
 
 @dataclass
@@ -87,7 +83,7 @@ def backbone(cfg: Config) -> "schedules.Schedule":
     return schedules.generate(cfg.schedule.pipeline, p.pp, p.vpp, p.microbatches, warmup_extra=extra)
 
 
-def _slot_index(ranks: dict[int, list]) -> dict[tuple[int, str, int], int]:
+def slot_index(ranks: dict[int, list]) -> dict[tuple[int, str, int], int]:
     """(vstage, unit, mb) -> position of its slot on its rank. 'B' covers I and W; a pair both."""
     idx: dict[tuple[int, str, int], int] = {}
     for _, slots in ranks.items():
@@ -169,7 +165,7 @@ class _Attempt:
             tasks = self.graph.tasks
             for tid, d in zip(prep.ids, dur):
                 tasks[tid].duration_us = d
-        self._lane_orders = _lane_orders(self.graph, prep, orders, start_t, end_t)
+        self._lane_orders = lane_orders_of(self.graph, prep, orders, start_t, end_t)
         self._raw = None
 
     @property
@@ -200,7 +196,7 @@ class _Search:
         self.all_sets = {k for k, b in first.offload_sets.items() if b} if offload else set()
         if self.fast:
             self.base = first
-            self.prep = _prepare(self.base, slots)
+            self.prep = prepare(self.base, slots)
             idx = {tid: i for i, tid in enumerate(self.prep.ids)}
             self.pair = {k: (idx[set_task_id(k, Kind.ACT_OFFLOAD)], idx[set_task_id(k, Kind.ACT_ONLOAD)])
                          for k in self.all_sets}
@@ -219,30 +215,30 @@ class _Search:
             skip = frozenset(i for k, pr in self.pair.items() if k not in chosen.local for i in pr)
         else:
             g = build_step(self.cfg, chosen)
-            prep, skip = _prepare(g, self.slots), frozenset()
+            prep, skip = prepare(g, self.slots), frozenset()
         raw: list = []
-        lane_orders = _list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
+        lane_orders = list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
         dur = None
         if (not self.serial and self.cost.comm_costs_cpu()) or self.cost.compute_alone_factor() < 1.0:
             slack = self.cfg.schedule.transfer_slack if not self.serial and self.cost.models_transfer_wait() else 0.0
             for _ in range(2):  # [Note: CPU cost of communication], [Note: compute alone]: two rounds
                 busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw, 1.0 + slack))
-                lane_orders = _list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
+                lane_orders = list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
             if slack:  # [Note: transfer slack]: these orders, the modelled durations
                 busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
-                raw[1], raw[2] = _retime(busy, raw[0], busy.dur, skip)
+                raw[1], raw[2] = retime(busy, raw[0], busy.dur, skip)
                 if not self.fast:
-                    lane_orders = _lane_orders(g, busy, *raw)
+                    lane_orders = lane_orders_of(g, busy, *raw)
             dur = busy.dur
             if not self.fast:
                 for tid, d in zip(busy.ids, busy.dur):
                     g.tasks[tid].duration_us = d
         if self.fast:  # the base graph's memory events, laid out once; the schedule stays in arrays
             mem = self.events.timeline(raw[1], raw[2], skip, self.mem_base)
-            return _Attempt(g, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip,
+            return _Attempt(g, mem, device_peak_per_stage(mem, self.cfg.parallel.pp), skip,
                             raw=(raw[0], raw[1], raw[2], dur), search=self)
-        mem = _device_memory(g, [g.tasks[tid] for tid in prep.ids])
-        return _Attempt(g, mem, _device_peak_per_stage(mem, self.cfg.parallel.pp), skip, lane_orders=lane_orders)
+        mem = device_memory(g, [g.tasks[tid] for tid in prep.ids])
+        return _Attempt(g, mem, device_peak_per_stage(mem, self.cfg.parallel.pp), skip, lane_orders=lane_orders)
 
     def finish(self, att: _Attempt) -> StepGraph:
         """The attempt's graph with skipped offload pairs removed. Only once: the base graph is
@@ -273,7 +269,7 @@ class _Search:
 # ``schedule.transfer_slack`` s orders the lanes as if every transfer's
 # wait beside compute ([Note: a transfer beside compute]) were 1 + s times the modelled one: the
 # list scheduler then fills a longer margin after each transfer with other ready work, and the
-# plan keeps these orders with the modelled durations (:func:`k3sched.listsched._retime`: each
+# plan keeps these orders with the modelled durations (:func:`k3sched.listsched.retime`: each
 # task as soon as its dependencies and the task before it on its resource allow, as the executor
 # runs them), so its times and step stay a prediction of the modelled machine. Whether a slack pays
 # is the expected step's call (the replay with the probed spread), not the planned step's: a slack
@@ -287,7 +283,7 @@ class _Search:
 # (:meth:`k3sched.cost.CostModel.models_transfer_wait`): not on GPUs, not in a serial plan.
 
 
-def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: CostModel, raw: list,
+def _cpu_contended(g: StepGraph, prep: Prepared, skip: frozenset[int], cost: CostModel, raw: list,
                    wait_scale: float = 1.0) -> list[float]:
     """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
     gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
@@ -342,9 +338,9 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
                 dur[i] = prep.dur[i] + float(ov @ rate)
         if waits and comp:
             busy = np.array([(start_t[i], end_t[i]) for i in comp], dtype=float)
-            busy = _merge(busy[busy[:, 1] > busy[:, 0]])
+            busy = merge(busy[busy[:, 1] > busy[:, 0]])
             span = np.array([(start_t[i], end_t[i]) for i, _ in waits], dtype=float)
-            share = _covered_each(span, busy) / (span[:, 1] - span[:, 0])
+            share = covered_each(span, busy) / (span[:, 1] - span[:, 0])
             for (i, wait), sh in zip(waits, share):
                 dur[i] = prep.dur[i] + wait * float(sh)
     alone = cost.compute_alone_factor()
@@ -353,7 +349,7 @@ def _cpu_contended(g: StepGraph, prep: _Prepared, skip: frozenset[int], cost: Co
     return dur
 
 
-def _compute_alone(dur: list[float], prep: _Prepared, comp: dict[int, list[int]], start_t, end_t,
+def _compute_alone(dur: list[float], prep: Prepared, comp: dict[int, list[int]], start_t, end_t,
                    factor: float) -> None:
     """[Note: compute alone] On the CPU runner the ranks of a host share its caches and memory
     bandwidth besides its cores: the model's operators timed in one process run faster than with
@@ -379,8 +375,6 @@ BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in al
 def _bisection_plans(cfg: Config) -> int:
     """Bisection plans of :func:`_infeasible_message`: 5 for small configs, fewer as plans grow
     (tiny-cpu: 5; K2-like, 38k tasks: none), by task count."""
-    from .limits import count_tasks
-
     return max(0, min(5, BISECTION_TASKS // max(1, count_tasks(cfg).total)))
 
 
@@ -474,8 +468,6 @@ def _lean_cannot_fit(cfg: Config, search: _Search, budget: int, levels: list[tup
     far above the bound, costs nothing more than without the check."""
     if len(levels) < 2 or not search.all_sets:
         return False
-    from .limits import memory_lower_bound
-
     if budget >= NEAR_BOUND * max(memory_lower_bound(cfg, search.cost).per_stage):
         return False
     return max(search.run(OffloadChoice(local=set(search.all_sets)), *levels[-1]).peaks) > budget
@@ -532,8 +524,6 @@ def _infeasible_message(cfg: Config, search: _Search, level: tuple[int, int], ou
 def plan(cfg: Config, strategy: str | None = None, schedule: "schedules.Schedule | None" = None) -> Plan:
     """Plan one training step on the backbone ``schedule`` (default: ``schedule.pipeline``).
     Raises InfeasibleBudget, DeadlockError or ConfigError."""
-    from .limits import check_limits  # cheap up-front refusals (too many tasks, budget below a bound)
-
     check_limits(cfg)
     was_enabled = gc.isenabled()
     gc.disable()  # tens of thousands of small objects, no cycles: the cyclic GC only costs time
@@ -552,7 +542,7 @@ def _plan(cfg: Config, strategy: str | None, schedule: "schedules.Schedule | Non
         raise ValueError(f"strategy: must be k3 or serial; got {strategy!r}")
     sched = schedule if schedule is not None else backbone(cfg)
     ranks = sched.ranks
-    search = _Search(cfg, _slot_index(ranks), strategy == "serial")
+    search = _Search(cfg, slot_index(ranks), strategy == "serial")
     budget = cfg.budget_bytes
     policy = cfg.schedule.offload
     levels = _memory_levels(cfg, strategy)

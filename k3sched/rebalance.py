@@ -16,7 +16,7 @@ step dropped as warm-up when there are several):
 
 The split minimises the largest vstage time ``sum(layer_us of its layers) + embed (first) + head
 (last) + p2p_us x its neighbours`` over contiguous splits (the dynamic program of
-``layer_split: balanced``, :func:`k3sched.graph._min_max_split`, where only the first and the last
+``layer_split: balanced``, :func:`k3sched.layersplit.min_max_split`, where only the first and the last
 vstage may be empty). What the measured times leave out: optim.run (once per step, proportional
 to the stage's parameters) and local offload copies, which run beside compute.
 
@@ -34,31 +34,14 @@ from typing import Any
 
 import yaml
 
-from .config import Config, ConfigError
+from .config import Config
+from .layersplit import LayerTimes, profile_split
 
-PROFILE_FORMAT = "k3sched.profile/1"
 _COMPUTE_LANES = ("compute",)
 _HEAD = ("head.fwd", "head.dx", "head.dw")
 _EMBED = ("embed.fwd", "embed.dw")
 _RECV = ("act.recv", "grad.recv")
 _SEND = ("act.send", "grad.send")
-
-
-@dataclass
-class LayerTimes:
-    """Measured per-micro-batch times (µs) of a run ([Note: profile split])."""
-
-    layer_us: list[float]
-    embed_us: float
-    head_us: float
-    p2p_us: float
-    steps: int
-    ranks: int
-
-    def to_profile(self, source: str = "") -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "source": source,
-                "layer_us": [round(x, 3) for x in self.layer_us], "embed_us": round(self.embed_us, 3),
-                "head_us": round(self.head_us, 3), "p2p_us": round(self.p2p_us, 3)}
 
 
 def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -164,16 +147,6 @@ def measure(plan: dict, events) -> LayerTimes:
                       len({r for r, _ in inst}))
 
 
-def profile_split(lt: LayerTimes, parts: int) -> list[list[int]]:
-    """The layers of each of ``parts`` vstages minimising the largest vstage time ([Note: profile
-    split]). Every vstage but the first and the last pays two receives, those two one each (with
-    ``parts > 1``); the same constant taken off every vstage leaves the argmin unchanged."""
-    from .graph import _min_max_split
-
-    r = lt.p2p_us if parts > 1 else 0.0
-    return _min_max_split(list(lt.layer_us), parts, first_extra=lt.embed_us - r, last_extra=lt.head_us - r)
-
-
 def vstage_us(lt: LayerTimes, split: list[list[int]]) -> list[float]:
     """Measured-time estimate of each vstage per micro-batch under ``split``."""
     n = len(split)
@@ -198,27 +171,6 @@ def stage_us(cfg: Config, lt: LayerTimes, split: list[list[int]]) -> list[float]
     return out
 
 
-def times_from_profile(cfg: Config) -> LayerTimes:
-    """The measured times of ``cfg``'s ``schedule.profile`` for ``layer_split: profile``; ConfigError
-    (one line) when the profile has no per-layer times or not one per model layer."""
-    from .cost import load_profile
-
-    path = cfg.schedule.profile
-    if not path:
-        raise ConfigError("parallel.layer_split: profile needs schedule.profile (a profile with layer_us, written "
-                          "by k3sched rebalance); got no schedule.profile")
-    prof = load_profile(path)
-    if not prof.layer_us:
-        raise ConfigError(f"schedule.profile: {path}: no per-layer times (layer_us) for parallel.layer_split: "
-                          "profile; allowed: a profile written by k3sched rebalance RUN_DIR (or "
-                          "layer_split balanced / even)")
-    if len(prof.layer_us) != cfg.model.layers:
-        raise ConfigError(f"schedule.profile: {path}: layer_us has {len(prof.layer_us)} per-layer times, the "
-                          f"model has {cfg.model.layers} layers; allowed: one time per model layer (rebalance a "
-                          f"run of this model)")
-    return LayerTimes(list(prof.layer_us), prof.embed_us, prof.head_us, prof.p2p_us, 0, 0)
-
-
 @dataclass
 class Proposal:
     """What ``k3sched rebalance`` proposes: the split before and after, their per-stage measured-time
@@ -239,7 +191,7 @@ def propose(plan_doc: dict, lt: LayerTimes, profile_path: str) -> Proposal:
     written to ``profile_path`` by :func:`write_profile`; the new config names it): ``layer_split: profile``,
     ``stage_layers`` dropped. Both configs planned with the source's own cost model."""
     from .config import config_from_dict
-    from .graph import split_layers
+    from .layersplit import split_layers
     from .planner import plan
 
     data = {k: dict(v) for k, v in plan_doc["config"].items() if isinstance(v, dict)}

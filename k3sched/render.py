@@ -9,8 +9,7 @@ import gc
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# plan.json is k3sched.planfile's; its writer is here too, beside the plan's other outputs
-from .planfile import PLAN_FORMAT, dumps_json, dumps_plan, dumps_plan_bytes, gc_paused, plan_to_json  # noqa: F401
+from .planfile import dumps_json, dumps_plan_bytes, gc_paused
 from .tasks import LANES, FWD_KINDS, Kind, WGRAD_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,7 +132,7 @@ def _rgb(hex_color: str) -> tuple[int, int, int]:
     return int(hex_color[1:3], 16), int(hex_color[3:5], 16), int(hex_color[5:7], 16)
 
 
-def _font(size: int):
+def load_font(size: int):
     from PIL import ImageFont
 
     try:
@@ -189,7 +188,7 @@ def png_timeline(plans: "list[Plan] | Plan", path: str | Path, titles: list[str]
     plans = plans if isinstance(plans, list) else [plans]
     width, left, right, top = 1400, 130, 20, 8
     row_h, gap, mem_h, title_h, axis_h = 6, 1, 150, 22, 30
-    font, small = _font(12), _font(9)
+    font, small = load_font(12), load_font(9)
     blocks = []
     for plan in plans:
         pp = plan.cfg.parallel.pp
@@ -261,7 +260,7 @@ def _memory_panel(draw, plan: "Plan", left: int, width: int, y: int, mem_h: int,
         yb = ybot - budget / peak * (mem_h - 4)
         for xs in range(left, left + width, 12):
             draw.line([(xs, yb), (xs + 6, yb)], fill="red", width=1)
-    draw.text((4, ytop), f"device GiB", fill="black", font=small)
+    draw.text((4, ytop), "device GiB", fill="black", font=small)
     for frac in (0.0, 0.5, 1.0):
         draw.text((left - 40, ybot - frac * (mem_h - 4) - 6), f"{peak * frac / 2**30:.1f}", fill="black",
                   font=small)

@@ -30,7 +30,7 @@ of the plan follow one another, and the pipeline drains at the end of each: one 
 per two steps, where 1F1B pays one per step.
 
 * micro-batches ``0 .. M-1`` are step t's, ``M .. 2M-1`` step t+1's (M = ``parallel.microbatches``);
-  the backbone is 1F1B over the 2M micro-batches with no flush between them (:func:`_pipedream_2bw`);
+  the backbone is 1F1B over the 2M micro-batches with no flush between them (:func:`gen_pipedream_2bw`);
 * the optimizer task of step t on stage s is ``s{s}/step/optim.run``, that of step t+1
   ``s{s}/step1/optim.run`` ([Note: task id grammar] in k3sched/tasks.py). Each depends on its own
   step's backward work (and gradient reduction, whose ids name the step's last micro-batch) on the
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .schedule_ir import Action, Pair, Placement, Schedule, Slot, _deps
+from .schedule_ir import Action, Pair, Placement, Schedule, Slot, deps_of
 
 
 class _Rank:
@@ -104,19 +104,19 @@ class _Rank:
         return out
 
 
-def _need(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
 
 
-def _gpipe(pp: int, vpp: int, M: int, extra: int) -> Schedule:
-    _need(vpp == 1, f"gpipe places one stage per rank; needs vpp 1, got {vpp}")
+def gen_gpipe(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    require(vpp == 1, f"gpipe places one stage per rank; needs vpp 1, got {vpp}")
     ranks = {r: [Action(r, "F", m) for m in range(M)] + [Action(r, "B", m) for m in range(M)] for r in range(pp)}
     return Schedule("gpipe", pp, 1, M, Placement("loop", pp, 1), ranks)
 
 
-def _1f1b(pp: int, vpp: int, M: int, extra: int) -> Schedule:
-    _need(vpp == 1, f"1f1b places one stage per rank; needs vpp 1, got {vpp}")
+def gen_1f1b(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+    require(vpp == 1, f"1f1b places one stage per rank; needs vpp 1, got {vpp}")
     ranks = {}
     for r in range(pp):
         k, warm = _Rank(M), min(pp - 1 - r, M)
@@ -131,11 +131,11 @@ def _1f1b(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("1f1b", pp, 1, M, Placement("loop", pp, 1), ranks)
 
 
-def _interleaved(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_interleaved(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """Megatron's interleaved 1F1B: micro-batches in groups of pp, chunk by chunk; warm-up of
     (pp-1-r)*2 + (vpp-1)*pp chunk-forwards, plus ``extra`` (Kimi K2's extra warm-up)."""
-    _need(vpp >= 2, f"interleaved-1f1b needs vpp >= 2; got {vpp}")
-    _need(M % pp == 0, f"interleaved-1f1b needs microbatches a multiple of pp ({pp}); got {M}")
+    require(vpp >= 2, f"interleaved-1f1b needs vpp >= 2; got {vpp}")
+    require(M % pp == 0, f"interleaved-1f1b needs microbatches a multiple of pp ({pp}); got {M}")
     place = Placement("loop", pp, vpp)
     total = M * vpp
 
@@ -162,10 +162,10 @@ def _interleaved(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("interleaved-1f1b", pp, vpp, M, place, ranks)
 
 
-def _zb_h1(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_zb_h1(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """ZB-H1: 1F1B's warm-up (pp-1-r forwards), then F I W with rank r keeping r W's pending,
     which fill its cool-down waits for I's from downstream; at most pp micro-batches in flight."""
-    _need(vpp == 1, f"zb-h1 places one stage per rank; needs vpp 1, got {vpp}")
+    require(vpp == 1, f"zb-h1 places one stage per rank; needs vpp 1, got {vpp}")
     ranks = {}
     for r in range(pp):
         k, warm = _Rank(M), min(pp - 1 - r, M)
@@ -230,22 +230,22 @@ def _greedy_zb(pp: int, M: int, limit: list[int]) -> dict[int, list[Slot]]:
     return ranks
 
 
-def _zb_h2(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_zb_h2(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """ZB-H2: up to 2*pp-1 micro-batches in flight on every rank (about 2x 1F1B's pp): the
     extra warm-up forwards fill the wait for the first I, pending W's fill the cool-down."""
-    _need(vpp == 1, f"zb-h2 places one stage per rank; needs vpp 1, got {vpp}")
+    require(vpp == 1, f"zb-h2 places one stage per rank; needs vpp 1, got {vpp}")
     ranks = _greedy_zb(pp, M, [2 * pp - 1] * pp)
     return Schedule("zb-h2", pp, 1, M, Placement("loop", pp, 1), ranks)
 
 
-def _zb_v(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_zb_v(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """ZB-V (Qi et al., 2024, handcrafted V schedule): V placement, two chunks per rank.
 
     Rank r: 2(pp-r)-1 chunk-0 forwards; r x (F1, F0); (pp-r) x (F1, I1, W1); steady
     (F0, I0, W0, F1, I1, W1) while forwards remain; cool-down r x (I0, I1) and (pp-r) x (I0, W0);
     then the pending W's. Generated for max(M, 2pp-1) micro-batches, the extra ones dropped.
     """
-    _need(vpp == 2, f"zb-v places two chunks per rank (V shape); needs vpp 2, got {vpp}")
+    require(vpp == 2, f"zb-v places two chunks per rank (V shape); needs vpp 2, got {vpp}")
     place = Placement("v", pp, 2)
     n = max(M, 2 * pp - 1)
     ranks = {}
@@ -292,7 +292,7 @@ def _zb_v(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("zb-v", pp, 2, M, place, ranks)
 
 
-def _dualpipev(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_dualpipev(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """DeepSeek DualPipeV (the "cut-in-half" DualPipe): V placement, two chunks per rank.
 
     Rank r, chunk 0 = vstage r, chunk 1 = vstage 2pp-1-r, in eight phases:
@@ -301,8 +301,8 @@ def _dualpipev(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     5. (pp-1-r) x (B1, F1&B0);  6. (r+1) x (B1, B0), split into I's from the middle on;
     7. (pp-1-r) x (W, B0 or I0);  8. (r+1) x W.  W's run oldest first ("W" = the weight queue).
     """
-    _need(vpp == 2, f"dualpipev places two chunks per rank (V shape); needs vpp 2, got {vpp}")
-    _need(M >= 2 * pp, f"dualpipev needs microbatches >= 2*pp = {2 * pp}; got {M}")
+    require(vpp == 2, f"dualpipev places two chunks per rank (V shape); needs vpp 2, got {vpp}")
+    require(M >= 2 * pp, f"dualpipev needs microbatches >= 2*pp = {2 * pp}; got {M}")
     place = Placement("v", pp, 2)
     ranks = {}
     for r in range(pp):
@@ -344,18 +344,18 @@ def _dualpipev(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("dualpipev", pp, 2, M, place, ranks)
 
 
-def _dualpipe(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_dualpipe(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """DeepSeek DualPipe (bidirectional): pp ranks (even), M micro-batches, M/2 fed from each end
     (see [Note: dualpipe mapping]). Rank R with half-rank h = min(R, pp-1-R) runs DualPipeV's
     rank-h order for pp/2 ranks and M/2 micro-batches: DualPipeV's chunk 0 is R's stage in the
     direction where R comes early (down for R < pp/2, up otherwise) and chunk 1 its stage in the
     other direction. Each micro-batch then meets the same neighbours in the same order as in
     DualPipeV, so the bubble is DualPipe's (PP/2-1)(F&B+B-3W) with PP = pp."""
-    _need(vpp == 2, f"dualpipe holds two stages per rank (two copies); needs vpp 2, got {vpp}")
-    _need(pp % 2 == 0, f"dualpipe needs an even pp; got {pp}")
-    _need(M % 2 == 0 and M >= 2 * pp, f"dualpipe needs an even number of microbatches >= 2*pp = {2 * pp}; got {M}")
+    require(vpp == 2, f"dualpipe holds two stages per rank (two copies); needs vpp 2, got {vpp}")
+    require(pp % 2 == 0, f"dualpipe needs an even pp; got {pp}")
+    require(M % 2 == 0 and M >= 2 * pp, f"dualpipe needs an even number of microbatches >= 2*pp = {2 * pp}; got {M}")
     half, hm = pp // 2, M // 2
-    base = _dualpipev(half, 2, hm, 0)
+    base = gen_dualpipev(half, 2, hm, 0)
     place = Placement("v", pp, 2)
     ranks: dict[int, list[Slot]] = {}
     for R in range(pp):
@@ -398,7 +398,7 @@ def _v_controllable(kind: str, pp: int, vpp: int, M: int) -> Schedule:
     I. The per-rank order is those units sorted by time; the simulator then runs every action as
     soon as its inputs allow (the paper's "squeeze"; its extra reordering pass is not applied).
     """
-    _need(vpp == 2, f"{kind} places two chunks per rank (V shape); needs vpp 2, got {vpp}")
+    require(vpp == 2, f"{kind} places two chunks per rank (V shape); needs vpp 2, got {vpp}")
     place = Placement("v", pp, 2)
     ranks: dict[int, list[Slot]] = {}
     for r in range(pp):
@@ -430,18 +430,18 @@ def _v_controllable(kind: str, pp: int, vpp: int, M: int) -> Schedule:
     return Schedule(kind, pp, 2, M, place, ranks)
 
 
-def _v_half(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_v_half(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return _v_controllable("v-half", pp, vpp, M)
 
 
-def _v_min(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_v_min(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return _v_controllable("v-min", pp, vpp, M)
 
 
 def _v_one_direction(p: int, M: int) -> Schedule:
     """A one-direction V schedule with full backwards (B), p ranks, two chunks: list-scheduled on
     unit durations (F = B = 1), each free rank running its ready B of the oldest micro-batch, else
-    its oldest ready F (the later chunk first on ties). The base of :func:`_chimera`."""
+    its oldest ready F (the later chunk first on ties). The base of :func:`gen_chimera`."""
     place = Placement("v", p, 2)
     s = Schedule("v-1f1b", p, 2, M, place, {r: [] for r in range(p)})
     todo = {r: [Action(v, op, m) for v in place.stages_of(r) for m in range(M) for op in "FB"] for r in range(p)}
@@ -450,7 +450,7 @@ def _v_one_direction(p: int, M: int) -> Schedule:
     while any(todo.values()):
         picks: dict[int, Action] = {}
         for r in range(p):
-            ready = [a for a in todo[r] if all(done_at.get(d, t + 1) <= t for d in _deps(s, a))]
+            ready = [a for a in todo[r] if all(done_at.get(d, t + 1) <= t for d in deps_of(s, a))]
             if ready:
                 picks[r] = min(ready, key=lambda a: (a.op != "B", a.mb, -a.vstage))
         for r, a in picks.items():
@@ -461,18 +461,18 @@ def _v_one_direction(p: int, M: int) -> Schedule:
     return s
 
 
-def _chimera(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_chimera(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same pp ranks,
     on two model replicas, rank R holding stage R of the down replica and stage pp-1-R of the up
     one ([Note: dualpipe mapping]: the same 2*pp vstages; micro-batches 0..M/2-1 go down, the rest
-    up). Full backwards (Chimera does not split dW). Built like :func:`_dualpipe`: rank R with
+    up). Full backwards (Chimera does not split dW). Built like :func:`gen_dualpipe`: rank R with
     h = min(R, pp-1-R) runs the rank-h order of a one-direction V schedule on pp/2 ranks with M/2
     micro-batches, its chunk 0 being R's stage in the direction where R comes early, so each
     micro-batch meets the same neighbours in the same order; with F = B that order leaves each
     rank pp-2 units idle, Chimera's published (D-2)/(2N+D-2) bubble ratio."""
-    _need(vpp == 2, f"chimera holds two stages per rank (two replicas); needs vpp 2, got {vpp}")
-    _need(pp % 2 == 0, f"chimera needs an even pp; got {pp}")
-    _need(M % 2 == 0, f"chimera needs an even number of microbatches (half go down, half up); got {M}")
+    require(vpp == 2, f"chimera holds two stages per rank (two replicas); needs vpp 2, got {vpp}")
+    require(pp % 2 == 0, f"chimera needs an even pp; got {pp}")
+    require(M % 2 == 0, f"chimera needs an even number of microbatches (half go down, half up); got {M}")
     half, hm = pp // 2, M // 2
     base = _v_one_direction(half, hm)
     place = Placement("v", pp, 2)
@@ -491,10 +491,10 @@ def _chimera(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     return Schedule("chimera", pp, 2, M, place, ranks, bidirectional=True)
 
 
-def _pipedream_2bw(pp: int, vpp: int, M: int, extra: int) -> Schedule:
+def gen_pipedream_2bw(pp: int, vpp: int, M: int, extra: int) -> Schedule:
     """PipeDream-2BW over two consecutive steps ([Note: pipedream-2bw]): 1F1B over 2M
     micro-batches, the second step's numbered M..2M-1, so step t+1's warm-up forwards fill step
     t's drain instead of waiting for a flush."""
-    _need(vpp == 1, f"pipedream-2bw places one stage per rank; needs vpp 1, got {vpp}")
-    one = _1f1b(pp, vpp, 2 * M, extra)
+    require(vpp == 1, f"pipedream-2bw places one stage per rank; needs vpp 1, got {vpp}")
+    one = gen_1f1b(pp, vpp, 2 * M, extra)
     return Schedule("pipedream-2bw", pp, 1, 2 * M, one.placement, one.ranks)

@@ -274,7 +274,7 @@ class Schedule:
 # dependencies (shared by validate and simulate_uniform)
 
 
-def _deps(schedule: Schedule, a: Action) -> list[Action]:
+def deps_of(schedule: Schedule, a: Action) -> list[Action]:
     """Actions that ``a`` needs (any op of the backward that exists is accepted by the caller)."""
     route = schedule.route(a.mb)
     if a.op == "F":
@@ -284,11 +284,11 @@ def _deps(schedule: Schedule, a: Action) -> list[Action]:
     # I or B: own forward, and the backward of the next vstage (unless this is the last one)
     out = [Action(a.vstage, "F", a.mb)]
     if a.vstage != route[-1]:
-        out.append(Action(a.vstage + 1, "B", a.mb))  # resolved to I or B by _resolve
+        out.append(Action(a.vstage + 1, "B", a.mb))  # resolved to I or B by resolve_dep
     return out
 
 
-def _resolve(index: dict[Action, tuple[int, int]], d: Action) -> Action | None:
+def resolve_dep(index: dict[Action, tuple[int, int]], d: Action) -> Action | None:
     if d in index:
         return d
     if d.op == "B":

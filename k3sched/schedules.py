@@ -13,8 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .pipelines import TABLE, Pipeline
-from .schedule_generators import _need
-from .schedule_ir import (BWD_OPS, OPS, PAIR_TAG, Action, Pair, Placement, Schedule, Slot, _deps, _resolve,
+from .schedule_generators import require
+from .schedule_ir import (BWD_OPS, OPS, PAIR_TAG, Action, Pair, Placement, Schedule, Slot, deps_of, resolve_dep,
                           parse_slot, slot_actions)
 from .simulator import DeadlockError, simulate
 from .tasks import Kind, Task
@@ -115,8 +115,8 @@ def _stuck_head(s: Schedule, index: dict[Action, tuple[int, int]]) -> tuple[int,
 
     def blocker(slot: Slot) -> tuple[Action, Action] | None:
         for a in slot_actions(slot):
-            for d in _deps(s, a):
-                rd = _resolve(index, d)
+            for d in deps_of(s, a):
+                rd = resolve_dep(index, d)
                 if rd is not None and rd not in done and rd not in slot_actions(slot):
                     return a, rd
         return None
@@ -196,8 +196,8 @@ def _simulate(s: Schedule, F: float, B: float, W: float, comm: float,
                 continue
             deps: list[str] = []
             for a in slot_actions(slot):
-                for d in _deps(s, a):
-                    rd = _resolve(index, d)
+                for d in deps_of(s, a):
+                    rd = resolve_dep(index, d)
                     if rd is None:
                         continue
                     dr, di = index[rd]
@@ -278,9 +278,9 @@ def generate(name: str, pp: int, vpp: int, microbatches: int, *, warmup_extra: i
     gen = GENERATORS.get(name)
     if gen is None:
         raise ValueError(f"pipeline schedule {name!r} is not supported; supported: {', '.join(GENERATORS)}")
-    _need(pp >= 1 and vpp >= 1 and microbatches >= 1,
+    require(pp >= 1 and vpp >= 1 and microbatches >= 1,
           f"{name}: need pp, vpp, microbatches >= 1; got {pp}, {vpp}, {microbatches}")
-    _need(warmup_extra >= 0, f"warmup_extra must be >= 0; got {warmup_extra}")
-    _need(warmup_extra == 0 or name == "interleaved-1f1b",
+    require(warmup_extra >= 0, f"warmup_extra must be >= 0; got {warmup_extra}")
+    require(warmup_extra == 0 or name == "interleaved-1f1b",
           f"warmup_extra applies to interleaved-1f1b only; {name} got {warmup_extra}")
     return check(gen(pp, vpp, microbatches, warmup_extra))

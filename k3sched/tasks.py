@@ -136,6 +136,8 @@ FWD_KINDS = frozenset(
 OFFLOAD_KINDS = frozenset({Kind.ACT_OFFLOAD, Kind.ACT_ONLOAD, Kind.ACT_ROFFLOAD, Kind.ACT_RONLOAD,
                            Kind.ACT_RSTORE, Kind.ACT_RSERVE,
                            Kind.GSHARD_ONLOAD, Kind.GSHARD_OFFLOAD})
+EXPERT_KINDS = frozenset({Kind.EXPERT_FWD, Kind.EXPERT_DX, Kind.EXPERT_DW})
+"""The routed experts' compute, which the profile may time per expert (``per_expert_us``)."""
 P2P_KINDS = frozenset({Kind.FWD_SEND, Kind.FWD_RECV, Kind.BWD_SEND, Kind.BWD_RECV})
 SEND_OF: dict[Kind, Kind] = {
     Kind.FWD_RECV: Kind.FWD_SEND,        # activations to the next stage

@@ -167,7 +167,7 @@ def plan_metrics(data: dict[str, Any]) -> dict[str, Any]:
     import gc
 
     from . import planner
-    from .limits import check_limits
+    from .limits import InfeasibleBudget, check_limits
     from .simulator import DeadlockError
 
     t0 = time.perf_counter()
@@ -182,7 +182,7 @@ def plan_metrics(data: dict[str, Any]) -> dict[str, Any]:
                 p = planner.plan(cfg)
         finally:
             gc.enable()
-    except planner.InfeasibleBudget as e:
+    except InfeasibleBudget as e:
         peak = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], (int, float)) else None
         msg = f"does not fit the budget (peak {peak / GiB:.1f} GiB)" if peak else str(e).splitlines()[0]
         return {"error": msg, "plan_s": time.perf_counter() - t0}
@@ -510,13 +510,13 @@ def pareto_png(results: list[Result], front: list[Result], best: Result | None, 
     (blue square): step time against peak device memory, drawn with Pillow."""
     from PIL import Image, ImageDraw
 
-    from .render import _font
+    from .render import load_font
 
     ok = [r for r in results if r.ok] + ([megatron] if megatron is not None and megatron.ok else [])
     w, h, left, bottom, top, right = 900, 560, 80, 50, 30, 20
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
-    font = _font(11)
+    font = load_font(11)
     d.text((left, 8), "k3sched tune: step time vs peak device memory (red: Pareto front, blue: Megatron default)",
            fill="black", font=font)
     if ok:
@@ -634,7 +634,7 @@ def tune_command(config_path: str | Path, overrides: list[str] | None, budget_gi
         console.print(f"Megatron default: not planned ({megatron.error})", highlight=False)
     own = next((r for r in tuner.results if r.phase == "config"), None)
     if own is not None and best is not None:
-        console.print(f"the config as given: " + (f"{own.rank_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
+        console.print("the config as given: " + (f"{own.rank_us / 1e3:.1f} ms, peak {own.peak_device / GiB:.1f} GiB; "
                                                   f"tuned {own.rank_us / best.rank_us:.3f}x faster" if own.ok
                                                   else f"not planned ({own.error})"), highlight=False)
     if best is None:
@@ -657,7 +657,7 @@ def write_best(cfg: Config, best: Result, budget: float, out: Path) -> list[Path
     """Re-plan the best candidate here and write its plan.json and the --set overrides (one per line,
     the budget included) that reproduce it."""
     from .planner import plan
-    from .render import dumps_plan_bytes
+    from .planfile import dumps_plan_bytes
 
     out.mkdir(parents=True, exist_ok=True)
     sets = best.set_args()
@@ -672,7 +672,7 @@ def write_best(cfg: Config, best: Result, budget: float, out: Path) -> list[Path
 
 def _write_json(path: Path, tuner: Tuner, megatron: Result | None, front: list[Result], best: Result | None,
                 elapsed: float) -> Path:
-    from .render import dumps_json
+    from .planfile import dumps_json
 
     def row(r: Result) -> dict:
         d = asdict(r)

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .metrics import _covered, _merge
+from .intervals import covered, merge
 from .tasks import LANE_OF, LANES, SYNC_KINDS, Kind, Task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -232,12 +232,12 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
         comm, comp = comm[dur[comm] > 0], comp[dur[comp] > 0]
         ratios = []
         for k in range(S):
-            c = _merge(np.stack([start0[comm, k], end[comm, k, 0]], axis=1))
+            c = merge(np.stack([start0[comm, k], end[comm, k, 0]], axis=1))
             length = float((c[:, 1] - c[:, 0]).sum()) if len(c) else 0.0
             if length <= 0:
                 continue
-            w = _merge(np.stack([start0[comp, k], end[comp, k, 0]], axis=1))
-            ratios.append(_covered(c, w) / length)
+            w = merge(np.stack([start0[comp, k], end[comp, k, 0]], axis=1))
+            ratios.append(covered(c, w) / length)
         overlap.append(round(float(np.mean(ratios)), 6) if ratios else None)
     return {"task_time_cv": cfg.hardware.task_time_cv,
             "time_cv": {k.value: round(v, 6) for k, v in cvs.items() if v > 0 and v != cfg.hardware.task_time_cv},

@@ -8,9 +8,11 @@ Entry points: :class:`MoEModelArgs`, :class:`MoEModel` (``build``, ``new_microba
 
 from moe.config import MoEModelArgs
 from moe.context import LayerCtx, MicroBatch, RoutingPlan, SequenceState
-from moe.model import (INTRA_LAYER_DEPS, LAYER_KINDS, MICROBATCH_KINDS, Block, MicroBatchTasks, MoEModel,
-                       init_full_state, microbatch_tasks, run_microbatch_in_order, run_slices_in_order, run_tasks)
+from moe.functional import init_full_state
+from moe.model import Block, MoEModel
 from moe.split import SavedStore, SubOpCtx, WGradSlot
+from moe.taskgraph import (INTRA_LAYER_DEPS, LAYER_KINDS, MICROBATCH_KINDS, MicroBatchTasks, microbatch_tasks,
+                           run_microbatch_in_order, run_slices_in_order, run_tasks)
 
 __all__ = [
     "INTRA_LAYER_DEPS", "LAYER_KINDS", "MICROBATCH_KINDS", "Block", "LayerCtx", "MicroBatch", "MicroBatchTasks",

@@ -247,11 +247,6 @@ class SequenceState:
     def slices(self) -> int:
         return len(self.bounds)
 
-    def tensors(self) -> list[Tensor]:
-        """The tensors it holds: kept K / V and pending K / V gradients (what memory accounting counts)."""
-        out = [t for kvs in self.kv.values() for kv in kvs for t in kv]
-        return out + [t for acc in self.grad_kv.values() for t in acc[:2]]
-
     @property
     def seq_len(self) -> int:
         return self.bounds[-1][1]

@@ -67,7 +67,7 @@ def sliced_aux_grad(counts_BE: Tensor, seq_len: int, top_k: int, aux_grad: float
     return counts_BE * (E / (seq_len * top_k)) * (aux_grad / (B * seq_len))
 
 
-def _offset_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def offset_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``[end - start, end]`` additive mask: query ``start + i`` attends to keys ``0 .. start + i``
     (0), the later keys get half the dtype's lowest value, which softmax turns into exactly 0
     weight like -inf. Finite on purpose: SDPA saves the mask for its backward, and a -inf in a
@@ -129,9 +129,9 @@ def init_full_state(args: MoEModelArgs, seed: int) -> dict[str, Tensor]:
     return state
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
 
-def _swiglu_reference(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+def swiglu_reference(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)

@@ -64,10 +64,8 @@ from moe.config import MoEModelArgs
 from moe.context import LayerCtx, MicroBatch, RoutingPlan, SequenceState, zero_scalar_like
 from moe.split import SubOpCtx, swiglu
 from moe.taskgraph import LAYER_KINDS, MICROBATCH_KINDS
-from moe.taskgraph import (INTRA_LAYER_DEPS, MicroBatchTasks, microbatch_tasks,  # noqa: F401 - moe.model's API
-                           run_microbatch_in_order, run_slices_in_order, run_tasks)
 
-from moe.functional import (_offset_causal_mask, _param, _swiglu_reference, contiguous_slots, init_full_state,
+from moe.functional import (offset_causal_mask, empty_param, swiglu_reference, contiguous_slots, init_full_state,
                             norm_scale, rms_normalize, route, router_dtype, sequence_aux_loss, skew_bias,
                             sliced_aux_grad, sliced_aux_value)
 
@@ -84,29 +82,29 @@ class Block(nn.Module):
         self.args, self.layer, self.ep_rank, self.ep_size = args, layer, ep_rank, ep_size
         self.is_moe = args.is_moe_layer(layer)
         dt, D = args.torch_dtype, args.hidden
-        self.attn_norm = _param(D, dtype=dt, device=device)
-        self.wqkv = _param(3 * D, D, dtype=dt, device=device)
-        self.wo = _param(D, D, dtype=dt, device=device)
-        self.ffn_norm = _param(D, dtype=dt, device=device)
+        self.attn_norm = empty_param(D, dtype=dt, device=device)
+        self.wqkv = empty_param(3 * D, D, dtype=dt, device=device)
+        self.wo = empty_param(D, D, dtype=dt, device=device)
+        self.ffn_norm = empty_param(D, dtype=dt, device=device)
         if self.is_moe:
             if args.experts % ep_size:
                 raise ValueError(f"experts ({args.experts}) must be a multiple of the EP size ({ep_size})")
             self._set_slots(slots or contiguous_slots(args.experts, ep_size))
             L, F_, Fs = self.num_local_experts, args.expert_hidden, args.shared_experts * args.expert_hidden
-            self.gate = _param(args.experts, D, dtype=dt, device=device)
+            self.gate = empty_param(args.experts, D, dtype=dt, device=device)
             self.register_buffer("expert_bias", torch.zeros(args.experts, dtype=router_dtype(dt), device=device))
-            self.w1 = _param(L, F_, D, dtype=dt, device=device)
-            self.w3 = _param(L, F_, D, dtype=dt, device=device)
-            self.w2 = _param(L, D, F_, dtype=dt, device=device)
+            self.w1 = empty_param(L, F_, D, dtype=dt, device=device)
+            self.w3 = empty_param(L, F_, D, dtype=dt, device=device)
+            self.w2 = empty_param(L, D, F_, dtype=dt, device=device)
             if Fs:
-                self.shared_w1 = _param(Fs, D, dtype=dt, device=device)
-                self.shared_w3 = _param(Fs, D, dtype=dt, device=device)
-                self.shared_w2 = _param(D, Fs, dtype=dt, device=device)
+                self.shared_w1 = empty_param(Fs, D, dtype=dt, device=device)
+                self.shared_w3 = empty_param(Fs, D, dtype=dt, device=device)
+                self.shared_w2 = empty_param(D, Fs, dtype=dt, device=device)
         else:
             Fd = args.dense_hidden
-            self.mlp_w1 = _param(Fd, D, dtype=dt, device=device)
-            self.mlp_w3 = _param(Fd, D, dtype=dt, device=device)
-            self.mlp_w2 = _param(D, Fd, dtype=dt, device=device)
+            self.mlp_w1 = empty_param(Fd, D, dtype=dt, device=device)
+            self.mlp_w3 = empty_param(Fd, D, dtype=dt, device=device)
+            self.mlp_w2 = empty_param(D, Fd, dtype=dt, device=device)
 
     def _set_slots(self, slots: tuple[tuple[int, ...], ...]) -> None:
         """[Note: expert placement] (k3sched/balance.py): ``slots[r][s]`` is the expert in slot s of
@@ -184,7 +182,7 @@ class Block(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 o = F.scaled_dot_product_attention(q, *self._kv_prefix(c, seq, j, k, v),
-                                                   attn_mask=_offset_causal_mask(*seq.bounds[j], q.dtype, q.device))
+                                                   attn_mask=offset_causal_mask(*seq.bounds[j], q.dtype, q.device))
             o_BSD = o.transpose(1, 2).reshape(B, S, D)
             if seq is not None:  # later slices attend to this slice's K / V
                 seq.keep_kv(self.layer, j, (c.output("k", k), c.output("v", v)) if j < seq.slices - 1 else None)
@@ -410,7 +408,7 @@ class Block(nn.Module):
         h = x_BSD + F.linear(o, self.wo)
         xn_TD = (rms_normalize(h, a.rms_eps) * self.ffn_norm).reshape(B * S, D)
         if not self.is_moe:
-            return h + _swiglu_reference(xn_TD, self.mlp_w1, self.mlp_w3, self.mlp_w2).view(B, S, D), None
+            return h + swiglu_reference(xn_TD, self.mlp_w1, self.mlp_w3, self.mlp_w2).view(B, S, D), None
         if self.ep_size != 1:
             raise ValueError("the reference path needs every expert local (EP size 1)")
         rdt = router_dtype(xn_TD.dtype)
@@ -424,10 +422,10 @@ class Block(nn.Module):
         for e in range(a.experts):
             tok, slot = (idx_TK == e).nonzero(as_tuple=True)
             if tok.numel():
-                y = _swiglu_reference(xn_TD[tok], self.w1[e], self.w3[e], self.w2[e])
+                y = swiglu_reference(xn_TD[tok], self.w1[e], self.w3[e], self.w2[e])
                 out_TD = out_TD.index_add(0, tok, y * w_TK[tok, slot].unsqueeze(-1).to(y.dtype))
         if self.has_shared:
-            out_TD = out_TD + _swiglu_reference(xn_TD, self.shared_w1, self.shared_w3, self.shared_w2)
+            out_TD = out_TD + swiglu_reference(xn_TD, self.shared_w1, self.shared_w3, self.shared_w2)
         return h + out_TD.view(B, S, D), aux
 
 
@@ -454,11 +452,11 @@ class MoEModel(nn.Module):
         self.args, self.ep_rank, self.ep_size = args, ep_rank, ep_size
         self.slots = tuple(tuple(r) for r in slots) if slots is not None else contiguous_slots(args.experts, ep_size)
         dt = args.torch_dtype
-        self.embed = _param(args.vocab, args.hidden, dtype=dt, device=device)
+        self.embed = empty_param(args.vocab, args.hidden, dtype=dt, device=device)
         self.layers = nn.ModuleList(Block(args, i, ep_rank, ep_size, device, self.slots)
                                     for i in range(args.layers))
-        self.final_norm = _param(args.hidden, dtype=dt, device=device)
-        self.head = _param(args.vocab, args.hidden, dtype=dt, device=device)
+        self.final_norm = empty_param(args.hidden, dtype=dt, device=device)
+        self.head = empty_param(args.vocab, args.hidden, dtype=dt, device=device)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod

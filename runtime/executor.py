@@ -56,8 +56,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from k3sched.lowering import LaneProgram, PlanTask, lower, stage_lanes  # noqa: F401 - executor.NAME for callers
-from k3sched.lowering import token_order as serial_order  # noqa: F401 - the token order of a serial run
+from k3sched.lowering import LaneProgram, PlanTask, lower
 from k3sched.tasks import LANES, Kind
 
 

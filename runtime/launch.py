@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,15 +50,10 @@ from pathlib import Path
 from k3sched.pipelines import TABLE as PIPELINE_TABLE
 
 from .options import FAILURES_ENV, TIMEOUT_ENV, RuntimeOptions
+from .testbed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 UNSUPPORTED_KINDS: dict[str, str] = {}  # task kind -> the option that emits it (none today)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _err(msg: str) -> None:
@@ -122,9 +116,10 @@ PLANNED_ONLY = {n: p.planned_only for n, p in PIPELINE_TABLE.items() if p.planne
 def check_run(config_path: str | Path, overrides: list[str] | None, nproc: int | None, strategy: str | None):
     """Validate before launching; returns (cfg, plan doc) or raises ValueError (one line)."""
     from k3sched.config import ConfigError, load_config
+    from k3sched.limits import InfeasibleBudget
     from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
-    from k3sched.planner import InfeasibleBudget, plan
-    from k3sched.render import plan_to_json
+    from k3sched.planfile import plan_to_json
+    from k3sched.planner import plan
     from k3sched.simulator import DeadlockError
 
     try:

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from k3sched.config import Config
-from k3sched.lowering import implied_edges
+from k3sched.lowering import implied_edges, stage_lanes
+from k3sched.planfile import plan_to_json
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
 
-from .executor import Executor, StepRecord, stage_lanes
+from .executor import Executor, StepRecord
 from .groups import Layout, build_groups
 from .options import RuntimeOptions
 from .stage import StageRunner, StageSpec

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from k3sched.config import Config
 from k3sched.tasks import Kind

@@ -88,6 +88,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -145,6 +146,13 @@ class Links:
         return (f"{self.world} rank(s) on {self.nodes} emulated node(s) of {self.gpus_per_node}; NIC "
                 f"{_fmt_gbps(self.internode_gbps)} across nodes, {_fmt_gbps(self.nvlink_gbps)} within a node "
                 f"(each direction, per rank); latency not emulated")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the rendezvous port of a local run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _fmt_gbps(g: float) -> str:
@@ -341,8 +349,6 @@ class Testbed:
         """torchrun (one node, ``nproc`` = world ranks) in the hub namespace, master address the
         hub's bridge, each worker ``worker_argv`` (a full argv: ``[python, "-m", MODULE, ...]``)
         in its own rank namespace."""
-        from runtime.launch import free_port
-
         return self.hub_prefix() + [
             python, "-m", "runtime.launch", "--nnodes", "1", "--nproc-per-node", str(nproc or self.world),
             "--master-addr", self.master_addr, "--master-port", str(port or free_port()), "--max-restarts", "0",

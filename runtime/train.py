@@ -359,8 +359,9 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
     """Plan the step; every rank's plan must be byte-identical and NCCL-safe; rank 0 writes plan.json."""
     from k3sched.config import ConfigError
     from k3sched.p2pcheck import P2PDeadlock, check_p2p_transfers
-    from k3sched.planner import InfeasibleBudget, plan
-    from k3sched.render import plan_to_json
+    from k3sched.limits import InfeasibleBudget
+    from k3sched.planfile import plan_to_json
+    from k3sched.planner import plan
 
     from runtime.groups import verify_same_plan
 
@@ -383,7 +384,7 @@ def _checked_plan(args: argparse.Namespace, cfg, rank: int, out: Path) -> dict:
 def _build_runner(args: argparse.Namespace, s: _Setup, doc: dict, groups):
     """(spec, lanes, runner) of this rank's stage: its P2P and remote groups built and warmed up,
     the runner bound to the plan, fault injection set (from ``s.opts``)."""
-    from runtime.executor import stage_lanes
+    from k3sched.lowering import stage_lanes
     from runtime.groups import build_mirror_groups, build_p2p_groups, p2p_edges, warm_up_p2p
     from runtime.stage import StageRunner, StageSpec, build_remote_group
 
@@ -490,7 +491,7 @@ def _lane_busy(record, device) -> list[list[float]]:
     import torch.distributed as dist
 
     from k3sched.tasks import COMM_LANES, LANES
-    from traces.intervals import overlap_length, union_length
+    from k3sched.intervals import overlap_length, union_length
 
     timings = record.timings if record is not None else ()
     busy = torch.zeros(len(LANES) + 2, dtype=torch.float64)
@@ -627,8 +628,7 @@ def _summary(args: argparse.Namespace, s: _Setup, doc: dict, world: int, ex, run
         **runner.memory.summary_fields(mems),
         "stage_of_rank": [Layout(p.pp, p.dp, p.ep, r, p.order).pp_idx for r in range(world)],
         "offloaded_sets": doc["metrics"].get("offloaded_sets"),
-        "racecheck": race_doc,
-        "warmup_steps": args.warmup_steps, "first_step": first_step,
+        "racecheck": race_doc, "warmup_steps": args.warmup_steps, "first_step": first_step,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "step_wall_s": log.walls, **_busy_fields(doc, log.busy), "checkpoint_s": ckpt_s, "checkpoint": ckpt.summary(),
         "data": runner.data.state() if runner.data is not None else {"kind": "synthetic"},

@@ -101,8 +101,9 @@ def run_once(cfg, steps: int, device, strategy: str, delay_lane: str | None, del
 
     from k3sched.lowering import implied_edges
     from k3sched.planner import plan
-    from k3sched.render import plan_to_json
-    from runtime.executor import Executor, stage_lanes
+    from k3sched.planfile import plan_to_json
+    from k3sched.lowering import stage_lanes
+    from runtime.executor import Executor
     from runtime.groups import Layout, build_groups
     from runtime.stage import StageRunner, StageSpec
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             need_exact = dev == "cpu" or case.gpu_exact
             from k3sched.planner import plan
-            from k3sched.render import plan_to_json
+            from k3sched.planfile import plan_to_json
 
             k3doc = plan_to_json(plan(cfg, "k3"))
             busy = [lane for lane in DELAY_LANES if k3doc["stages"][0]["lanes"].get(lane)]

@@ -94,7 +94,8 @@ def launch_p2p_worker(spec: dict, work: Path, *, nproc: int = 2, env: dict | Non
     import subprocess
     import sys
 
-    from runtime.launch import _run_env, free_port, kill_group
+    from runtime.launch import _run_env, kill_group
+    from runtime.testbed import free_port
 
     (work / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "runtime.launch", "--nnodes", "1", "--nproc-per-node", str(nproc),

@@ -79,7 +79,7 @@ def base() -> _Base:
 
         from k3sched.config import load_config
         from k3sched.planner import plan as make_plan
-        from k3sched.render import plan_to_json
+        from k3sched.planfile import plan_to_json
         from traces import synth
 
         cfg = load_config(TINY, ["model.layers=2", "parallel.microbatches=2", "schedule.offload=none"])

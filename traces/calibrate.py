@@ -1,5 +1,5 @@
 """Calibrate the cost model from a measured run: ``k3sched calibrate TRACE... --plan plan.json -o
-profile.yaml`` writes the profile YAML :func:`k3sched.cost.load_profile` reads.
+profile.yaml`` writes the profile YAML :func:`k3sched.profile.load_profile` reads.
 
 [Note: calibration]
 The measured instances of the plan's tasks (runtime traces ``trace_rank*.json``: the last step;
@@ -55,8 +55,9 @@ adds 10%), which is also what such a stall does to the steps it falls in; the fi
 (warm-up) is dropped before either.
 
 Calibration lives in ``traces`` because it reads traces and writes what the planner reads: it
-imports the cost model, the config and the planner from ``k3sched``, and nothing in ``k3sched``
-imports it but the CLI (docs/design.md, section 2). It needs no torch. :func:`fit_profile` takes
+imports the config, the cost model, its profile format and the planner from ``k3sched``, beyond
+the plan format the other trace tools need (tests/test_layering.py lists them), and nothing in
+``k3sched`` imports it but the CLI (docs/design.md, section 2). It needs no torch. :func:`fit_profile` takes
 any EventTable-like object with columns ``name``, ``rank``, ``start_us``, ``end_us``, ``kind``.
 """
 
@@ -70,8 +71,9 @@ from pathlib import Path
 import yaml
 
 from k3sched.config import ConfigError, config_from_dict
-from k3sched.cost import _EXPERT_KINDS, CostModel, Profile, load_profile
-from k3sched.tasks import Kind
+from k3sched.cost import CostModel
+from k3sched.profile import Profile, load_profile
+from k3sched.tasks import EXPERT_KINDS, Kind
 from traces.join import SEND_OF, RankStages, ranges_by_name, send_of
 
 PROFILE_FORMAT = "k3sched.profile/1"
@@ -201,7 +203,7 @@ def _spread_beside_transfers(tasks: dict, occ: dict) -> dict[str, float]:
     a transfer ([Note: task-time spread] in k3sched/variability.py)."""
     import numpy as np
 
-    from k3sched.metrics import _covered_each, _merge
+    from k3sched.intervals import covered_each, merge
 
     comm: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     comp: dict[tuple[int, int], list[tuple[str, float, float]]] = defaultdict(list)
@@ -218,7 +220,7 @@ def _spread_beside_transfers(tasks: dict, occ: dict) -> dict[str, float]:
         if key not in comm:
             continue
         iv = np.array([(s, e) for _, s, e in rows])
-        cov = _covered_each(iv, _merge(np.array(comm[key], dtype=float)))
+        cov = covered_each(iv, merge(np.array(comm[key], dtype=float)))
         for (kind, s, e), c in zip(rows, cov):
             if c >= SPREAD_MIN_BESIDE * (e - s):
                 spans[kind].append(e - s)
@@ -298,7 +300,7 @@ def _fit_durations(fit: Fit, per_task: list, raw: dict, variable: set[str], mode
         else:  # one core's duration: the source config's CPU sharing (and busiest-rank factor) divided out
             share = model.share(Kind(kind)) if model is not None else 1.0
             one = statistics.fmean(cs) / share
-            if model is not None and Kind(kind) in _EXPERT_KINDS:
+            if model is not None and Kind(kind) in EXPERT_KINDS:
                 # back to the profile's terms: all experts on one rank, balanced ([Note: per-expert cost])
                 fixed = model.per_expert_us(Kind(kind))
                 one = max(0.0, one - fixed * model.local_experts()) / model.skew_factors()[0] \
@@ -414,7 +416,7 @@ def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
     GPUs)."""
     import numpy as np
 
-    from k3sched.metrics import alone_shares
+    from k3sched.intervals import alone_shares
 
     f = model.compute_alone_factor()
     if f >= 1.0:
@@ -441,7 +443,7 @@ def _waits_beside_compute(occ: dict, tasks: dict, model: CostModel) -> dict:
     the link's and a serial target (no compute beside a transfer) is not charged the wait."""
     import numpy as np
 
-    from k3sched.metrics import _covered_each, _merge
+    from k3sched.intervals import covered_each, merge
 
     if not model.cfg.hardware.comm_wait_us_per_call:
         return {}
@@ -464,7 +466,7 @@ def _waits_beside_compute(occ: dict, tasks: dict, model: CostModel) -> dict:
     for key, rows in spans.items():
         if key not in busy:
             continue
-        share = _covered_each(np.array([(s, e) for _, s, e, _ in rows]), _merge(np.array(busy[key], dtype=float)))
+        share = covered_each(np.array([(s, e) for _, s, e, _ in rows]), merge(np.array(busy[key], dtype=float)))
         for (inst, s, e, wait), cov in zip(rows, share):
             out[inst] = wait * float(cov) / (e - s)
     return out

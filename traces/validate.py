@@ -57,17 +57,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from k3sched.intervals import overlap_length, union_length
 from k3sched.tasks import COMM_LANES, SYNC_KINDS
 from traces import rules
 from traces.events import EventTable
-from traces.intervals import merge_intervals, overlap_length, union_length
 from traces.rules import PlanIndex, Violation
 from k3sched.planfile import PLAN_FORMAT, PlanDoc, check_plan_doc
 from traces.schema import PlanError, check_report
 
 DEFAULT_TOLERANCE_US = 5.0
-__all__ = ["PLAN_FORMAT", "PlanError", "Report", "Violation", "load_plan", "validate",
-           "merge_intervals", "overlap_length", "union_length"]
+__all__ = ["PLAN_FORMAT", "PlanError", "Report", "Violation", "load_plan", "validate"]
 _TYPE_ORDER = ("missing", "wrong_rank", "lane_mapping", "wrong_lane", "dependency", "onload_before_offload",
                "collective_order", "order", "unplanned")
 

@@ -16,9 +16,9 @@ activation offload tasks) and asks for the shortest step under the lane rules:
 [Note: backbone-constrained mode]
 The issue asks for the exact *lane placement of a plan*: the optimum given the chosen pipeline
 schedule. ``mode="backbone"`` constrains the compute lane the way the heuristic's slot gate does
-(``planner._list_schedule``): per rank, the *main* compute tasks (compute lane, not WGrad, not
-optim; slot from ``planner._slot_index`` of the backbone and the graph's ``unit`` map, exactly as
-``planner._prepare`` assigns it) are grouped by slot G_0, G_1, ... (slots with main tasks, in
+(``listsched.list_schedule``): per rank, the *main* compute tasks (compute lane, not WGrad, not
+optim; slot from ``planner.slot_index`` of the backbone and the graph's ``unit`` map, exactly as
+``listsched.prepare`` assigns it) are grouped by slot G_0, G_1, ... (slots with main tasks, in
 order); a task of G_p may start only once every task of G_0..G_{p-1-lookahead} has started. It is
 written as the linear constraints ``start(t) >= start(u)`` for t in G_p and u in
 G_{p-1-lookahead-j}, j = 0..lookahead: by induction on p they imply the gate on every earlier group.

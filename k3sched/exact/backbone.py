@@ -10,23 +10,24 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import Config
 from ..graph import StepGraph, build_step
-from .common import (MODES, _STATUS, ExactResult, Hint, _check_size, _exact_config, _gap_fields, _int_durations,
-                     _levels_fit, _lower_bound, _one_at_a_time, _retime, _Starts)
+from .common import (MODES, STATUS, ExactResult, Hint, check_size, exact_config, gap_fields, int_durations,
+                     levels_fit, int_lower_bound, one_at_a_time, retime, Starts)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planner import Plan
 
 
 def _slots(g: StepGraph, ranks: dict[int, list]):
-    from ..planner import _prepare, _slot_index
+    from ..listsched import prepare
+    from ..planner import slot_index
 
-    return _prepare(g, _slot_index(ranks))
+    return prepare(g, slot_index(ranks))
 
 
 def backbone_groups(g: StepGraph, ranks: dict[int, list]) -> dict[int, list[tuple[int, list[str]]]]:
     """Per rank, the main compute tasks (compute lane, not WGrad, not optim) grouped by backbone
     slot: [(slot, task ids)] in slot order, the groups of [Note: backbone-constrained mode]. Slots
-    are assigned by ``planner._prepare`` itself, so the gate is the heuristic's."""
+    are assigned by ``listsched.prepare`` itself, so the gate is the heuristic's."""
     prep = _slots(g, ranks)
     by: dict[int, dict[int, list[str]]] = {}
     for i, tid in enumerate(prep.ids):
@@ -107,12 +108,12 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
     if mode not in MODES:
         raise ValueError(f"exact solve: mode must be one of {', '.join(MODES)}; got {mode!r}")
     t0 = time.perf_counter()
-    ecfg = _exact_config(cfg)
+    ecfg = exact_config(cfg)
     g = build_step(ecfg)
     n = len(g.tasks)
-    _check_size(n)
+    check_size(n)
     tasks = g.tasks
-    dur = _int_durations(g, scale)
+    dur = int_durations(g, scale)
     rounding_us = sum(dur[t] / scale - tasks[t].duration_us for t in tasks)
     pairs: list[tuple[str, str]] = []
     if mode == "backbone":
@@ -127,7 +128,7 @@ def solve_exact(cfg: Config, *, mode: str = "backbone", ranks: dict[int, list] |
     hints = [hint_plan] if hint_plan is not None and not isinstance(hint_plan, Sequence) else list(hint_plan or [])
     hint, rejected = _best_hint(g, dur, hints, pairs, budget_bytes, scale)
     # lower bounds: the planner's and the longest chain, and a relaxation's proven bound
-    head, tail, lb = _lower_bound(g, dur, scale)
+    head, tail, lb = int_lower_bound(g, dur, scale)
     if lower is not None and lower.scale == scale and math.isfinite(lower.bound_int):
         lb = max(lb, int(math.ceil(lower.bound_int - 1e-6)))
     # upper bound: the hint's makespan, else every task one after another
@@ -166,19 +167,19 @@ def _best_hint(g: StepGraph, dur: dict[str, int], hints: list, pairs: list[tuple
     backbone gate or the budget. With a budget, one micro-batch at a time is a candidate too."""
     tasks = g.tasks
     if budget_bytes is not None:  # one micro-batch at a time: feasible whenever one fits
-        hints = hints + [_Starts(_one_at_a_time(g, tasks, dur))]
+        hints = hints + [Starts(one_at_a_time(g, tasks, dur))]
     hint, best, rejected = None, None, 0
     for hp in hints:
-        if isinstance(hp, _Starts):
+        if isinstance(hp, Starts):
             h = dict(hp.starts)
         elif isinstance(hp, ExactResult):
             h = dict(hp.starts_int) if hp.scale == scale and set(hp.starts_int) == set(tasks) else None
         else:
-            h = _retime(g, dur, hp)
+            h = retime(g, dur, hp)
         if h is None:
             continue
         if (pairs and gate_violations(pairs, h)) or (
-                budget_bytes is not None and not _levels_fit(_budget_events(g, dur, h), budget_bytes, g.static_device)):
+                budget_bytes is not None and not levels_fit(_budget_events(g, dur, h), budget_bytes, g.static_device)):
             rejected += 1
             continue
         span = max(h[t] + dur[t] for t in tasks)
@@ -250,7 +251,7 @@ def _solve(m, start: dict, hint: dict[str, int] | None, lb: int, *, time_limit_s
     solver.parameters.num_search_workers = workers
     solver.parameters.random_seed = seed
     code = solver.solve(m)
-    status = _STATUS.get(int(code), str(code))
+    status = STATUS.get(int(code), str(code))
     if status in ("OPTIMAL", "FEASIBLE"):
         return status, {tid: solver.value(v) for tid, v in start.items()}, solver.best_objective_bound
     if hint is not None:  # no better solution found in time: the hint is still a schedule
@@ -271,7 +272,7 @@ def exact_report(cfg: Config, plan: "Plan", time_limit_s: float = 10.0, extra_hi
                       time_limit_s=time_limit_s, hint_plan=[plan, *extra_hints])
     heur = float(plan.metrics.step_time_us)
     return {
-        **_gap_fields(res, heur),
+        **gap_fields(res, heur),
         "planner_lower_bound_us": float(plan.metrics.lower_bound_us),
         "strategy": plan.strategy,
         "pipeline": plan.pipeline,

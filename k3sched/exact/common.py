@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MAX_TASKS = 3000
 MODES = ("backbone", "free")
-_STATUS = {0: "UNKNOWN", 1: "MODEL_INVALID", 2: "FEASIBLE", 3: "INFEASIBLE", 4: "OPTIMAL"}
+STATUS = {0: "UNKNOWN", 1: "MODEL_INVALID", 2: "FEASIBLE", 3: "INFEASIBLE", 4: "OPTIMAL"}
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ExactResult:
         return self.status == "OPTIMAL"
 
 
-def _exact_config(cfg: Config) -> Config:
+def exact_config(cfg: Config) -> Config:
     """The config the exact model is built from: no activation offload, memory unconstrained."""
     c = cfg.model_copy(deep=True)
     c.schedule.offload = "none"
@@ -67,11 +67,11 @@ def _exact_config(cfg: Config) -> Config:
     return c
 
 
-def _int_durations(g: StepGraph, scale: int) -> dict[str, int]:
+def int_durations(g: StepGraph, scale: int) -> dict[str, int]:
     return {tid: int(math.ceil(t.duration_us * scale - 1e-9)) for tid, t in g.tasks.items()}
 
 
-def _retime(g: StepGraph, dur: dict[str, int], plan: "Plan") -> dict[str, int] | None:
+def retime(g: StepGraph, dur: dict[str, int], plan: "Plan") -> dict[str, int] | None:
     """Integer starts of ``plan``'s lane orders under durations ``dur`` (a feasible schedule of the
     exact model), or None when the plan does not cover the graph's tasks. Tasks the graph lacks
     (offload/onload) are dropped from the orders: the remaining order stays acyclic."""
@@ -141,7 +141,7 @@ def _heads_tails(g: StepGraph, dur: dict[str, int]) -> tuple[dict[str, int], dic
 
 
 @dataclass
-class _Starts:
+class Starts:
     """Integer starts of a schedule built here (a hint)."""
 
     starts: dict[str, int]
@@ -150,13 +150,13 @@ class _Starts:
 Hint = Union["Plan", ExactResult]
 
 
-def _check_size(n: int) -> None:
+def check_size(n: int) -> None:
     if n > MAX_TASKS:
         raise ValueError(f"exact solve: {n} tasks exceed the limit of {MAX_TASKS} (use pp <= 4, microbatches <= 8, "
                          f"1-2 layers per stage)")
 
 
-def _one_at_a_time(g: StepGraph, tasks, dur: dict[str, int]) -> dict[str, int]:
+def one_at_a_time(g: StepGraph, tasks, dur: dict[str, int]) -> dict[str, int]:
     """Integer starts of ``tasks`` run one after another, micro-batch by micro-batch (a hint that is
     within a budget whenever one micro-batch fits)."""
     order = sorted(tasks, key=lambda t: (tasks[t].mb if tasks[t].mb is not None else 1 << 30, g.topo[t]))
@@ -167,7 +167,7 @@ def _one_at_a_time(g: StepGraph, tasks, dur: dict[str, int]) -> dict[str, int]:
     return seq
 
 
-def _levels_fit(ev: dict[int, list[tuple[int, int]]], budget: int, static: list) -> bool:
+def levels_fit(ev: dict[int, list[tuple[int, int]]], budget: int, static: list) -> bool:
     """Whether each stage's memory events (time, delta) stay within ``budget`` minus its static
     bytes; frees before allocations at one instant, as CP-SAT nets them."""
     for s_, es in ev.items():
@@ -179,17 +179,17 @@ def _levels_fit(ev: dict[int, list[tuple[int, int]]], budget: int, static: list)
     return True
 
 
-def _lower_bound(g: StepGraph, dur: dict[str, int], scale: int) -> tuple[dict[str, int], dict[str, int], int]:
+def int_lower_bound(g: StepGraph, dur: dict[str, int], scale: int) -> tuple[dict[str, int], dict[str, int], int]:
     """Heads, tails and a lower bound on the rounded makespan: the longest chain and the planner's
     bound (valid for D, so for D' >= D)."""
-    from ..planner import lower_bound_us
+    from ..bound import lower_bound_us
 
     head, tail = _heads_tails(g, dur)
     cp_len = max(head[t] + dur[t] + tail[t] for t in g.tasks)
     return head, tail, max(cp_len, int(math.floor(lower_bound_us(g)[0] * scale + 1e-6)))
 
 
-def _gap_fields(res, heur: float) -> dict:
+def gap_fields(res, heur: float) -> dict:
     """The report fields every exact mode shares: status, optimum / best / bound and the heuristic's
     gap to the optimum (to the bound when not proven), to the bound and to the best found."""
     ref = res.makespan_us if res.optimal else res.bound_us

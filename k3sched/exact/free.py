@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Sequence
 from ..config import Config
 from ..graph import StepGraph, build_step
 from ..tasks import Kind, Mem, Task, format_task_id
-from .common import (_STATUS, ExactResult, _check_size, _exact_config, _gap_fields, _int_durations, _levels_fit,
-                     _lower_bound, _one_at_a_time)
+from .common import (STATUS, ExactResult, check_size, exact_config, gap_fields, int_durations, levels_fit,
+                     int_lower_bound, one_at_a_time)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planner import Plan
@@ -216,18 +216,18 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
         raise ValueError(f"exact solve: activation choices must include keep and be among {', '.join(ACT_CHOICES)}; "
                          f"got {', '.join(choices)}")
     t0 = time.perf_counter()
-    ecfg = _exact_config(cfg)
+    ecfg = exact_config(cfg)
     budget = int(cfg.budget_bytes if budget_bytes is None else budget_bytes)
     g = build_step(ecfg)
     base = g.tasks
-    _check_size(len(base))
+    check_size(len(base))
     opts, consumers = _option_tasks(ecfg, g, choices)
     every, owner = _every_task(base, opts)
     dur = {tid: int(math.ceil(t.duration_us * scale - 1e-9)) for tid, t in every.items()}
     rounding_us = sum(dur[t] / scale - every[t].duration_us for t in every)
     cands, unusable = _plan_candidates(g, every, owner, dur, hint_plans, choices, scale)
     hint, rejected = _free_hint(g, every, opts, dur, cands, budget, unusable)
-    head, tail, lb = _lower_bound(g, dur, scale)
+    head, tail, lb = int_lower_bound(g, dur, scale)
     horizon = hint[2] if hint is not None else sum(dur.values())
     lb = min(lb, horizon)
     m = cp_model.CpModel()
@@ -252,7 +252,7 @@ def solve_free(cfg: Config, *, budget_bytes: int | None = None, choices: Sequenc
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = int(seed)
     code = solver.solve(m)
-    status = _STATUS.get(int(code), str(code))
+    status = STATUS.get(int(code), str(code))
     found = _free_solution(solver, status, start, lit, opts, base, owner, hint, lb)
     if found is None:
         return ExactResult(status, math.inf, max(0.0, lb / scale - rounding_us), time.perf_counter() - t0,
@@ -308,10 +308,10 @@ def _plan_candidates(g: StepGraph, every: dict[str, Task], owner: dict, dur: dic
     kept, then each plan re-timed with the rounded durations, its offload choice mapped; and how many
     plans are on another graph (durations, tasks) or use a storage the model lacks."""
     base = g.tasks
-    cands: list[tuple[dict[str, int], dict[_Key, str]]] = [(_one_at_a_time(g, base, dur), {})]
+    cands: list[tuple[dict[str, int], dict[_Key, str]]] = [(one_at_a_time(g, base, dur), {})]
     unusable = 0
     for p in hint_plans:
-        pdur = _int_durations(p.graph, scale)
+        pdur = int_durations(p.graph, scale)
         if any(tid not in p.tasks or pdur[tid] != dur[tid] for tid in base):
             unusable += 1
             continue
@@ -343,7 +343,7 @@ def _free_hint(g: StepGraph, every: dict[str, Task], opts: dict, dur: dict[str, 
         for tid in present:
             for st, x, d in _events(every[tid], h[tid], dur[tid]):
                 ev.setdefault(st, []).append((x, d))
-        if not _levels_fit(ev, budget, g.static_device):
+        if not levels_fit(ev, budget, g.static_device):
             rejected += i > 0
             continue
         span_h = max(h[t] + dur[t] for t in present)
@@ -534,7 +534,7 @@ def free_report(cfg: Config, plan: "Plan", *, extra_hints: "Sequence[Plan]" = ()
                          f"(CP-SAT status {res.status})")
     counts = {c: sum(1 for x in res.choices.values() if x == c) for c in ACT_CHOICES}
     return {
-        **_gap_fields(res, heur),
+        **gap_fields(res, heur),
         "choices": counts,
         "budget_bytes": res.budget_bytes,
         "num_tasks": res.num_tasks,

@@ -71,20 +71,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 
 KiB, MiB = 1 << 10, 1 << 20
-from .collectives import (  # noqa: F401 - the public parts, as runtime.probe.NAME
-    CHUNK_S, collective_groups, comm_cpu_fit, comm_cpu_ns_per_byte, launch_workers, link_numbers, measure_collectives,
-    comm_wait_fit, task_time_cv_fit, worker_main)
-from .inprocess import (  # noqa: F401
-    COLL_SIZES, COPY_SIZES, OPS, TORCH_DTYPES, Fit, GemmShape, GemmTiming, KiB, Knobs, MiB, ProbeError, _sig, _size,
-    bus_factor, executor_overhead_us, fit_latency_bandwidth, gemm_shapes, measure_adamw, measure_compute,
-    compute_alone_factor, measure_gemm, measure_hbm, measure_launch, measure_ops, measure_ops_concurrent, measure_pcie,
-    measure_fewer_experts, measure_routing, per_expert_point, per_expert_slopes, time_call,
-    write_ops_profile)
+from .collectives import (
+    CHUNK_S, collective_groups, comm_cpu_fit, comm_cpu_ns_per_byte, link_numbers, measure_collectives,
+    comm_wait_fit, task_time_cv_fit)
+from .inprocess import (
+    TORCH_DTYPES, Fit, GemmTiming, Knobs, MiB, sig_digits, size_label, bus_factor, gemm_shapes, measure_adamw,
+    measure_compute, compute_alone_factor, measure_hbm, measure_launch, measure_ops_concurrent, measure_pcie,
+    measure_fewer_experts, measure_routing, per_expert_point, per_expert_slopes, write_ops_profile)
 
 # -- everything ------------------------------------------------------------------------------------
 
@@ -170,7 +167,7 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         rows.append(Row("operator profile", f"{len(ops)} kinds", f"one rank, pp=ep=dp=1, serial, {copies} copies at "
                         "once, median µs per task" + (" (mean of two rounds)" if copies > 1 else "") + ": "
                         + ", ".join(f"{k} {v:.3g}" for k, v in ops.items())))
-        imb = _sig(measure_routing(cfg))
+        imb = sig_digits(measure_routing(cfg))
         if cfg.parallel.ep > 1:
             rows.append(Row("model.routing_imbalance", f"{imb:.4g}", f"the router at its initial weights, one step at "
                             f"EP 1: busiest over mean routed tokens of {cfg.parallel.ep} EP ranks per dispatch, mean "
@@ -238,7 +235,7 @@ def _probe_memory(device: torch.device, knobs: Knobs, rows: list[Row], hw: dict[
     say("pcie: offload copies at several sizes")
     pc = measure_pcie(device, knobs)
     pfit: Fit = pc["fit"]
-    sizes_txt = f"{len(knobs.copy_sizes)} sizes {_size(knobs.copy_sizes[0])}..{_size(knobs.copy_sizes[-1])}"
+    sizes_txt = f"{len(knobs.copy_sizes)} sizes {size_label(knobs.copy_sizes[0])}..{size_label(knobs.copy_sizes[-1])}"
     rows.append(Row("pcie_gbps", f"{pfit.gbps:.4g} GB/s", f"{pc['how']}, {sizes_txt}, fit", pfit.residual))
     rows.append(Row("pcie_latency_us", f"{pfit.latency_us:.3g} µs", "intercept of the same fit", pfit.residual))
     hw.update(hbm_gbps=hbm, optim_ns_per_param=adam_ns, host_cores=host_cores, pcie_gbps=pfit.gbps,
@@ -292,7 +289,7 @@ def _probe_links(nproc: int, gpn: int, testbed: Any, knobs: Knobs, timeout_s: fl
     fit = comm_cpu_fit(coll) if device.type == "cpu" else None
     if fit is not None:
         for r in next(g["contended"] for g in coll["groups"].values() if g.get("contended")):
-            rows.append(Row(f"  all_to_all {_size(r['bytes'])} beside compute",
+            rows.append(Row(f"  all_to_all {size_label(r['bytes'])} beside compute",
                             f"{r['stretch_us']:.3g} µs lost per call",
                             f"a GEMM loop's extra time per concurrent call; the call itself {r['busy_call_us']:.3g} µs "
                             f"(alone {r['idle_call_us']:.3g} µs)"))
@@ -338,11 +335,11 @@ def _hardware(hw_base, cuda: bool, nproc: int, gpn: int, hw: dict[str, Any]) -> 
         avail = (_mem_gib("MemAvailable") or 4.0 * nproc) / nproc
         dev_gb = host_gb = avail
         name = f"cpu-{os.cpu_count()}core"
-    m = {k: _sig(v) for k, v in hw.items() if k not in ("mfu", "host_cores")}
+    m = {k: sig_digits(v) for k, v in hw.items() if k not in ("mfu", "host_cores")}
     return {
         "name": f"probe {name}" if not str(name).startswith("probe ") else name,
         "peak_tflops": m["peak_tflops"], "mfu": 1.0, "hbm_gbps": m["hbm_gbps"],
-        "device_memory_gb": _sig(dev_gb), "host_memory_gb": _sig(host_gb), "gpus_per_node": int(gpn),
+        "device_memory_gb": sig_digits(dev_gb), "host_memory_gb": sig_digits(host_gb), "gpus_per_node": int(gpn),
         "nvlink_gbps": m["nvlink_gbps"], "nvlink_latency_us": m["nvlink_latency_us"],
         "internode_gbps": m["internode_gbps"], "internode_latency_us": m["internode_latency_us"],
         "pcie_gbps": m["pcie_gbps"], "pcie_latency_us": m["pcie_latency_us"], "launch_us": m["launch_us"],

@@ -4,10 +4,10 @@ and ``python -m runtime.probe ops CONFIG_JSON OUT`` (one copy of the operator pr
 import sys
 
 from .collectives import worker_main
-from .inprocess import _ops_main
+from .inprocess import ops_main
 
 if len(sys.argv) == 4 and sys.argv[1] == "ops":
-    _ops_main(sys.argv[2], sys.argv[3])
+    ops_main(sys.argv[2], sys.argv[3])
 elif len(sys.argv) > 1 and sys.argv[1] == "worker":
     worker_main(sys.argv[2:])
 else:

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from runtime.launch import REPO, first_error, free_port, kill_group
+from runtime.launch import REPO, first_error, kill_group
+from runtime.testbed import free_port
 from runtime.options import LaunchEnv
 
 KiB, MiB = 1 << 10, 1 << 20
-from .inprocess import COLL_SIZES, OPS, RESULT_FILE, Fit, KiB, MiB, ProbeError, _sync_of, bus_factor, fit_latency_bandwidth
+from .inprocess import (COLL_SIZES, OPS, RESULT_FILE, Fit, KiB, MiB, ProbeError, bus_factor, fit_latency_bandwidth,
+                        sync_of)
 
 # -- collectives -----------------------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ def _worker_measure(group, ranks: list[int], rank: int, sizes: Sequence[int], re
 
     n, me = len(ranks), ranks.index(rank)
     nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
-    sync = _sync_of(device)
+    sync = sync_of(device)
     out: dict[str, list[dict]] = {}
     for op in OPS:
         rows = []

@@ -87,7 +87,7 @@ def fit_latency_bandwidth(nbytes: Sequence[float], times_us: Sequence[float]) ->
 
 # -- timing ----------------------------------------------------------------------------------------
 
-def _sync_of(device: torch.device) -> Callable[[], None]:
+def sync_of(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
@@ -209,7 +209,7 @@ class GemmTiming:
 
 
 def measure_gemm(g: GemmShape, dtype: torch.dtype, device: torch.device, knobs: Knobs) -> GemmTiming:
-    sync = _sync_of(device)
+    sync = sync_of(device)
     b = torch.tensor([], dtype=dtype).element_size()
     max_weight = (1 << 30) if device.type == "cuda" else 64 * MiB
     k, n = g.k, g.n
@@ -269,8 +269,9 @@ def executor_overhead_us(steps: int = 10) -> tuple[float, str]:
     try:
         from k3sched.config import load_config
         from k3sched.planner import plan
-        from k3sched.render import plan_to_json
-        from runtime.executor import Executor, noop_handlers, stage_lanes
+        from k3sched.planfile import plan_to_json
+        from k3sched.lowering import stage_lanes
+        from runtime.executor import Executor, noop_handlers
 
         cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["parallel.pp=1", "parallel.ep=2"])
         lanes = stage_lanes(plan_to_json(plan(cfg)), 0)
@@ -290,7 +291,7 @@ def measure_launch(device: torch.device, knobs: Knobs | None = None) -> tuple[fl
     knobs = knobs or Knobs()
     a = torch.randn(8, 8, device=device)
     with _one_thread():
-        tiny = time_call(lambda: torch.matmul(a, a), sync=_sync_of(device), reps=knobs.reps, min_s=knobs.min_s) * 1e6
+        tiny = time_call(lambda: torch.matmul(a, a), sync=sync_of(device), reps=knobs.reps, min_s=knobs.min_s) * 1e6
     try:
         ex, note = executor_overhead_us(5 if knobs.reps < 5 else 10)
     except ProbeError as e:
@@ -307,7 +308,7 @@ def measure_hbm(device: torch.device, knobs: Knobs | None = None) -> tuple[float
     numel = nbytes // 4
     src = torch.ones(numel, device=device)
     dst = torch.zeros(numel, device=device)
-    sync = _sync_of(device)
+    sync = sync_of(device)
     with _one_thread():
         t_copy = time_call(lambda: dst.copy_(src), sync=sync, reps=knobs.reps, min_s=knobs.min_s)
         t_add = time_call(lambda: dst.add_(src), sync=sync, reps=knobs.reps, min_s=knobs.min_s)
@@ -322,7 +323,7 @@ def measure_adamw(device: torch.device, knobs: Knobs | None = None, numel: int =
     opt = torch.optim.AdamW([p], lr=1e-3)
     opt.step()  # allocates the moments
     with _one_thread():
-        t = time_call(opt.step, sync=_sync_of(device), reps=knobs.reps, min_s=knobs.min_s)
+        t = time_call(opt.step, sync=sync_of(device), reps=knobs.reps, min_s=knobs.min_s)
     return t * 1e9 / numel
 
 
@@ -373,7 +374,7 @@ def measure_ops(cfg, steps: int = 2) -> dict[str, float]:
                 kind = parse_task_id(e["name"]).kind
                 if (LANE_OF[kind] == "compute" and kind is not Kind.OPTIM) or LANE_OF[kind] == "ep":
                     spans.setdefault(kind.value, []).append(float(e["dur"]))
-    return {k: _sig(statistics.median(v)) for k, v in sorted(spans.items())}
+    return {k: sig_digits(statistics.median(v)) for k, v in sorted(spans.items())}
 
 
 def measure_routing(cfg, steps: int = 1) -> float:
@@ -437,7 +438,7 @@ def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir:
             if pr.poll() is None:
                 pr.kill()
     runs = [json.loads((d / f"ops_{i}.json").read_text()) for i in range(copies)]
-    return {k: _sig(statistics.median(r[k] for r in runs)) for k in runs[0]}
+    return {k: sig_digits(statistics.median(r[k] for r in runs)) for k in runs[0]}
 
 
 def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: float = 300.0,
@@ -462,7 +463,7 @@ def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: f
     if around:
         fewer.append(measure_fewer_experts(cfg, copies, timeout_s, sub / "fewer_b"))
     again = measure_ops_concurrent(cfg, copies, timeout_s, sub / "again")
-    both = {k: _sig((first[k] + again[k]) / 2) for k in first if k in again}
+    both = {k: sig_digits((first[k] + again[k]) / 2) for k in first if k in again}
     kinds = [k for k in both if k in alone]
     factor = sum(alone[k] for k in kinds) / sum(both[k] for k in kinds) if kinds else 1.0
     return min(1.0, factor), both
@@ -501,7 +502,7 @@ def per_expert_slopes(cfg, ops: dict[str, float], fewer: list[dict[str, float]])
     if point is None or not fewer:
         return {}
     n = cfg.model.experts - point
-    return {k: _sig(max(0.0, (ops[k] - statistics.fmean(f[k] for f in fewer)) / n))
+    return {k: sig_digits(max(0.0, (ops[k] - statistics.fmean(f[k] for f in fewer)) / n))
             for k in EXPERT_OPS if k in ops and all(k in f for f in fewer)}
 
 
@@ -530,7 +531,7 @@ def measure_pcie(device: torch.device, knobs: Knobs | None = None) -> dict[str, 
     """Offload copies at ``knobs.copy_sizes``; returns ``{"fit": Fit, "direction": str, "points":
     {direction: [(bytes, µs)]}, "how": str}`` (on CUDA the slower direction's fit)."""
     knobs = knobs or Knobs()
-    sync = _sync_of(device)
+    sync = sync_of(device)
     points: dict[str, list[tuple[int, float]]] = {}
     with _one_thread():
         for size in knobs.copy_sizes:
@@ -553,19 +554,19 @@ def measure_pcie(device: torch.device, knobs: Knobs | None = None) -> dict[str, 
     return {"fit": fits[slow], "direction": slow, "fits": fits, "points": points, "how": how}
 
 
-def _size(n: int) -> str:
+def size_label(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
 
-def _ops_main(config_json: str, out: str) -> None:
+def ops_main(config_json: str, out: str) -> None:
     from k3sched.config import config_from_dict
 
     torch.set_num_threads(1)
     Path(out).write_text(json.dumps(measure_ops(config_from_dict(json.loads(Path(config_json).read_text())))))
 
 
-def _sig(x: float, digits: int = 4) -> float:
+def sig_digits(x: float, digits: int = 4) -> float:
     if x == 0 or not math.isfinite(x):
         return float(x)
     return float(f"{x:.{digits}g}")

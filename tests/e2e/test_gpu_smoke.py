@@ -57,7 +57,7 @@ def _profile_device(monkeypatch) -> tuple[dict, list]:
     its parameters lived on."""
     import runtime.local
     from k3sched.config import load_config
-    from runtime.probe import measure_ops
+    from runtime.probe.inprocess import measure_ops
 
     seen: list = []
     real = runtime.local.local_run

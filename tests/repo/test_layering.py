@@ -1,5 +1,6 @@
 """Layering: k3sched imports no torch; traces needs only the plan format (k3sched.tasks and
-k3sched.planfile; no torch, no runtime)."""
+k3sched.planfile) and the interval unions (k3sched.intervals); no torch, no runtime. No module
+import cycle, and no _private name imported from another module."""
 
 from __future__ import annotations
 
@@ -22,12 +23,30 @@ def test_k3sched_imports_no_torch():
     assert not {m for m in mods if m.split(".")[0] in ("runtime", "moe", "offload", "traces")}
 
 
+TRACES_MAY_IMPORT = ("k3sched.tasks", "k3sched.planfile", "k3sched.intervals")
+"""The k3sched modules the trace tools read: the plan format and the interval unions."""
+
+CALIBRATE_BEYOND_THE_PLAN_FORMAT = {"k3sched.config", "k3sched.cost", "k3sched.profile", "k3sched.planner"}
+"""What traces.calibrate imports from k3sched beyond TRACES_MAY_IMPORT: it fits a cost-model
+profile (k3sched.profile's format, checked against the config's CostModel) and re-plans with it
+(the planner, lazily) to compare a run with its plan. The one exception to the traces rule; the
+test below fails when it grows or shrinks, so the list stays exact."""
+
+
 def test_traces_needs_only_the_plan_format():
     mods = _modules_after("import traces.validate, traces.cli, traces.nsys, traces.chrome")
     assert "torch" not in mods
     assert not {m for m in mods if m.split(".")[0] in ("runtime", "moe", "offload")}
-    assert not {m for m in mods if m.startswith("k3sched.") and m not in ("k3sched.tasks", "k3sched.planfile")}, \
+    assert not {m for m in mods if m.startswith("k3sched.") and m not in TRACES_MAY_IMPORT}, \
         sorted(m for m in mods if m.startswith("k3sched."))
+
+
+def test_calibrate_imports_the_plan_format_and_its_listed_exceptions():
+    mods = _modules_after("import traces.calibrate")
+    assert "torch" not in mods
+    assert not {m for m in mods if m.split(".")[0] in ("runtime", "moe", "offload")}
+    direct = {t for t in _module_graph()[0]["traces.calibrate"] if t.startswith("k3sched.")}
+    assert direct - set(TRACES_MAY_IMPORT) == CALIBRATE_BEYOND_THE_PLAN_FORMAT
 
 
 PACKAGES = ("k3sched", "traces", "moe", "offload", "runtime")
@@ -85,3 +104,99 @@ def test_the_cycle_check_sees_lazy_imports():
     edges = _package_imports()
     assert "k3sched/cli.py" in edges["k3sched"]["runtime"]
     assert "k3sched/cli.py" in edges["k3sched"]["traces"]
+
+
+def _module_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """(module -> the modules of the five packages it imports, [(importer, module, _name)] for every
+    ``_private`` name imported from another module), from every import statement: function-local
+    ones count, those under ``if TYPE_CHECKING:`` do not (they never run)."""
+    import ast
+
+    files = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            mod = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            files[mod.removesuffix(".__init__")] = path
+
+    def known(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    private: list[tuple[str, str, str]] = []
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+                for b in n.body for x in ast.walk(b)}
+        pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [(known(a.name), None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                targets = [(known(f"{base}.{a.name}") if f"{base}.{a.name}" in files else known(base), a.name)
+                           for a in node.names]
+            else:
+                continue
+            for target, name in targets:
+                if not target or target == mod:
+                    continue
+                edges[mod].add(target)
+                if name and name.startswith("_") and not name.startswith("__") and f"{target}.{name}" not in files:
+                    private.append((mod, target, name))
+    return edges, private
+
+
+def test_no_import_cycle_between_modules():
+    """No module of the five packages reaches itself through imports, lazy ones included: a shared
+    piece lives in the lower module (or a small one of its own) and is imported from there."""
+    edges, _ = _module_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (cyc := visit(n)):
+                return cyc
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state:
+            cyc = visit(m)
+            assert cyc is None, "import cycle: " + " -> ".join(cyc)
+
+
+PRIVATE_IMPORTS_ALLOWED = {
+    # runtime/stage/* is being recomposed on its own; these go with it (stage's __init__ and its
+    # optimizer take the gradients' reduction, p2p the bounded wait of runtime.groups)
+    ("runtime.stage", "runtime.stage.gradients", "_allreduce_grads"),
+    ("runtime.stage.optimizer", "runtime.stage.gradients", "_allreduce_grads"),
+    ("runtime.stage.p2p", "runtime.groups", "_wait_bounded"),
+}
+
+
+def test_no_private_name_imported_from_another_module():
+    """A ``_name`` is its module's own: a name another module imports is part of its module's
+    interface and has no underscore."""
+    _, private = _module_graph()
+    bad = sorted(set(private) - PRIVATE_IMPORTS_ALLOWED)
+    assert not bad, "; ".join(f"{a} imports {n} from {b}" for a, b, n in bad)
+
+
+def test_the_module_checks_see_lazy_imports_and_skip_type_checking():
+    """Lazy imports count (the CLI imports the runtime inside its commands); imports under
+    ``if TYPE_CHECKING:`` do not (k3sched.bound names the planner's Plan only there)."""
+    edges, _ = _module_graph()
+    assert "runtime.launch" in edges["k3sched.cli"]
+    assert "k3sched.planner" not in edges["k3sched.bound"]

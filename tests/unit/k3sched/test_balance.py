@@ -260,7 +260,7 @@ def test_skewed_router_matches_reference_and_skews() -> None:
     import torch
 
     from moe import MoEModel, MoEModelArgs
-    from moe.model import run_microbatch_in_order
+    from moe.taskgraph import run_microbatch_in_order
 
     args = MoEModelArgs(layers=2, hidden=32, heads=4, experts=8, top_k=2, expert_hidden=16, seq_len=16,
                         router_skew=1.5, dtype="float64")

@@ -15,11 +15,10 @@ from collections import Counter
 
 import pytest
 
-from k3sched.bound import format_gap_report, gap_report, memory_lower_bound_us, stage_memory_bounds
+from k3sched.bound import format_gap_report, gap_report, lower_bound_us, memory_lower_bound_us, stage_memory_bounds
 from k3sched.config import GiB, load_config
 from k3sched.exact import solve_exact
 from k3sched.graph import build_step
-from k3sched.metrics import lower_bound_us
 from k3sched.planner import plan
 
 from conftest import CONFIGS

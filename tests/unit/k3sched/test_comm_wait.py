@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from k3sched import render
+from k3sched import planfile
 from k3sched.config import load_config
 from k3sched.cost import CostModel
 from k3sched.planner import plan
@@ -69,9 +69,9 @@ def test_transfers_beside_compute_are_planned_longer_and_the_serial_plan_is_not(
 
 
 def test_without_a_wait_the_plan_file_does_not_name_it():
-    text = render.dumps_plan(plan(_cfg()))
+    text = planfile.dumps_plan(plan(_cfg()))
     assert "comm_wait_us_per_call" not in text
-    doc = json.loads(render.dumps_plan(plan(_cfg(f"hardware.comm_wait_us_per_call={WAIT}"))))
+    doc = json.loads(planfile.dumps_plan(plan(_cfg(f"hardware.comm_wait_us_per_call={WAIT}"))))
     assert doc["config"]["hardware"]["comm_wait_us_per_call"] == WAIT
 
 

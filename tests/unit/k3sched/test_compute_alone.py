@@ -54,11 +54,11 @@ def test_ranks_that_never_compute_alone_are_unchanged(extra):
 
 
 def test_plan_json_names_the_factor_only_when_set(tmp_path):
-    from k3sched import render
+    from k3sched import planfile
 
-    doc = json.loads(render.dumps_plan(_plan(PP2)))
+    doc = json.loads(planfile.dumps_plan(_plan(PP2)))
     assert "compute_alone_factor" not in doc["config"]["hardware"]
-    doc = json.loads(render.dumps_plan(_plan(PP2 + ["hardware.compute_alone_factor=0.85"])))
+    doc = json.loads(planfile.dumps_plan(_plan(PP2 + ["hardware.compute_alone_factor=0.85"])))
     assert doc["config"]["hardware"]["compute_alone_factor"] == 0.85
 
 
@@ -73,13 +73,13 @@ def test_calibration_from_a_pp_source_takes_the_speedup_back_out(tmp_path):
     """The ideal trace of a PP 2 x EP 1 plan made with the factor calibrates to durations that,
     planned with the same factor, predict the source and an EP target as the known profile does
     (within 1%); counting the speed-up twice would leave them short."""
-    from k3sched import render
+    from k3sched import planfile
     from traces import synth
     from traces.calibrate import fit_profile, write_profile
     from traces.chrome import table_from_runtime
 
     source = PP2 + ["hardware.compute_alone_factor=0.8"]
-    pj = json.loads(render.dumps_plan(_plan(source)))
+    pj = json.loads(planfile.dumps_plan(_plan(source)))
     table = table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0], 1: [1]}))
     fit = fit_profile(pj, table)
     prof = write_profile(fit, tmp_path / "fitted.yaml")

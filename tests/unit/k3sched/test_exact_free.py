@@ -22,7 +22,9 @@ import pytest
 from k3sched.config import load_config
 from k3sched.exact import ACT_CHOICES, solve_exact, solve_free
 from k3sched.graph import build_step
-from k3sched.planner import InfeasibleBudget, _device_peak_per_stage, plan
+from k3sched.limits import InfeasibleBudget
+from k3sched.metrics import device_peak_per_stage
+from k3sched.planner import plan
 from k3sched.simulator import memory_timeline
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny-cpu.yaml"
@@ -102,7 +104,7 @@ def check_schedule(cfg, res) -> None:
             assert e0 <= s1 + 1e-6
     g = build_step(cfg)
     mem = memory_timeline(tasks.values(), {(s, "device"): d for s, d in enumerate(g.static_device)})
-    peaks = _device_peak_per_stage(mem, cfg.parallel.pp)
+    peaks = device_peak_per_stage(mem, cfg.parallel.pp)
     assert max(peaks) <= res.budget_bytes, (peaks, res.budget_bytes)
     assert max(t.end_us for t in tasks.values()) == pytest.approx(res.makespan_us)
 

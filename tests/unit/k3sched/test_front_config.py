@@ -17,10 +17,11 @@ from conftest import CONFIGS, cli_exit, draw_pipeline_shape, one_line
 from k3sched.cli import app
 from k3sched.config import (GiB, ConfigError, HardwareConfig, ModelConfig, ParallelConfig, ScheduleConfig,
                             config_from_dict, load_config)
-from k3sched.cost import load_profile
+from k3sched.profile import load_profile
 from k3sched.graph import OffloadChoice, build_step
 from k3sched.limits import check_limits, count_tasks, memory_lower_bound
-from k3sched.planner import InfeasibleBudget, plan
+from k3sched.limits import InfeasibleBudget
+from k3sched.planner import plan
 
 TINY = CONFIGS / "tiny-cpu.yaml"
 K2 = CONFIGS / "k2-like.yaml"

@@ -14,7 +14,7 @@ import yaml
 from k3sched.config import load_config
 from k3sched.graph import PIPELINE_TABLE
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny-cpu.yaml"
 GRAD_KINDS = {"attn.dw", "shared.dw", "expert.dw", "mlp.dw", "head.dw", "embed.dw", "router.bwd"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from k3sched.config import load_config
-from k3sched.planner import _slot_index, plan
+from k3sched.planner import slot_index, plan
 from k3sched.tasks import Kind
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny-cpu.yaml"
@@ -19,7 +19,7 @@ BACKBONE_OUTSIDE_GATE = (Kind.OPTIM, Kind.GSHARD_ADD)
 def test_gshard_add_does_not_hold_later_slots(extra):
     cfg = load_config(TINY, ["schedule.grad_offload=true", *extra])
     p = plan(cfg)
-    slots = _slot_index(p.backbone)
+    slots = slot_index(p.backbone)
     la = cfg.schedule.lookahead
 
     def slot(t):
@@ -67,7 +67,7 @@ def test_lookahead_zero_lets_backward_slots_go_one_ahead(strategy):
     forwards start before the slot ahead of it has; never a forward, never in a serial plan."""
     cfg = load_config(K2, ["schedule.lookahead=0", "schedule.wgrad_lag=0"])
     p = plan(cfg, strategy)
-    slots = _slot_index(p.backbone)
+    slots = slot_index(p.backbone)
 
     def slot(t):
         v, u, mb = p.graph.unit[t.id]

@@ -11,7 +11,7 @@ from k3sched.lowering import (LaneProgram, LoweringError, PlanTask, data_edges, 
                               lower_stage, plan_deps, rank_start_deps, read_lanes, serial_tokens, stage_lanes,
                               token_order)
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import LANES, Kind, id_bucket, parse_task_id
 
 from conftest import CONFIGS

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from k3sched.planner import plan
-from k3sched.render import PLAN_FORMAT, ascii_timeline, dumps_plan, perfetto_trace, png_timeline
+from k3sched.planfile import PLAN_FORMAT, dumps_plan
+from k3sched.render import ascii_timeline, perfetto_trace, png_timeline
 from k3sched.tasks import LANES, parse_task_id
 
 from conftest import ROOT
@@ -120,7 +121,7 @@ def test_plan_json_as_written_is_the_plain_document(overrides):
     import orjson
 
     from k3sched.config import load_config
-    from k3sched.render import dumps_plan_bytes, plan_to_json
+    from k3sched.planfile import dumps_plan_bytes, plan_to_json
 
     p = plan(load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides))
     plain = plan_to_json(p)

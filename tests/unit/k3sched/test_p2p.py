@@ -18,7 +18,7 @@ import pytest
 from k3sched.config import PIPELINES, load_config
 from k3sched.p2pcheck import COMM_POLICIES, P2PDeadlock, analyse, check_p2p_transfers
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.schedules import GENERATORS
 from runtime.launch import PLANNED_ONLY
 

@@ -13,7 +13,7 @@ import pytest
 from k3sched import p2pcheck
 from k3sched.config import load_config
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import LANES
 
 from conftest import CONFIGS

@@ -112,14 +112,14 @@ def test_calibration_from_an_ep_source_recovers_the_profile(tmp_path):
     profile's durations (all experts on one rank) and keeps its ``per_expert_us``; the fitted
     profile predicts an EP 1 target as the known profile does. Dividing the EP 2 spans by the
     busiest rank's factor alone (the fit before the per-expert part) leaves them 7-30% short."""
-    from k3sched import render
+    from k3sched import planfile
     from traces import synth
     from traces.calibrate import fit_profile, write_profile
     from traces.chrome import table_from_runtime
 
     prof = _profile(tmp_path)
     source = BASE + EP2 + ["model.routing_imbalance=1.1", f"schedule.profile={prof}"]
-    pj = json.loads(render.dumps_plan(plan(load_config(TINY, source))))
+    pj = json.loads(planfile.dumps_plan(plan(load_config(TINY, source))))
     fit = fit_profile(pj, table_from_runtime(synth.trace_from_plan(pj)))
     for k, d in DURATIONS.items():
         assert fit.durations_us[k] == pytest.approx(d, rel=5e-3), k
@@ -137,7 +137,8 @@ def test_the_probe_measures_a_per_expert_part_that_plans(tmp_path):
     """The real measurement, one copy (in this process) at tiny-cpu's shapes (PP 2 x EP 2, its world
     size named: the fewer-experts profile runs at ep 1 all the same): a slope per expert kind, at
     least 0 and below the kind's own time over its experts; the written profile loads."""
-    from runtime.probe import measure_fewer_experts, measure_ops, per_expert_slopes, write_ops_profile
+    from runtime.probe import measure_fewer_experts, per_expert_slopes, write_ops_profile
+    from runtime.probe.inprocess import measure_ops
 
     cfg = load_config(TINY, ["parallel.world_size=4"])
     ops = measure_ops(cfg)

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3sched.config import GiB, config_from_dict, load_config
-from k3sched.planner import InfeasibleBudget, plan
-from k3sched.render import dumps_plan
+from k3sched.limits import InfeasibleBudget
+from k3sched.planfile import dumps_plan
+from k3sched.planner import plan
 from k3sched.simulator import DeadlockError, simulate
 from k3sched.tasks import Kind, Mem, Task
 
@@ -222,7 +223,7 @@ def test_plan_metrics_for_k2_like_full_step():
 
 
 def test_balanced_layer_split_leaves_room_for_the_head():
-    from k3sched.graph import _min_max_split, split_layers
+    from k3sched.layersplit import min_max_split, split_layers
 
     cfg = load_config(CONFIGS / "k2-like.yaml")
     split = split_layers(cfg)
@@ -235,7 +236,7 @@ def test_balanced_layer_split_leaves_room_for_the_head():
     import itertools
 
     w, parts = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0], 3
-    got = _min_max_split(w, parts, first_extra=2.0, last_extra=6.0)
+    got = min_max_split(w, parts, first_extra=2.0, last_extra=6.0)
     cost = lambda s: max(sum(w[i] for i in g) + (2.0 if k == 0 else 0) + (6.0 if k == parts - 1 else 0)  # noqa: E731
                          for k, g in enumerate(s))
     best = min(cost([range(0, a), range(a, b), range(b, len(w))])
@@ -249,7 +250,7 @@ def test_balanced_split_gives_the_first_vstage_the_fewest_layers_that_keep_the_l
     import itertools
     import random
 
-    from k3sched.graph import _min_max_split, split_layers
+    from k3sched.layersplit import min_max_split, split_layers
 
     rng = random.Random(7)
     for _ in range(200):
@@ -268,7 +269,7 @@ def test_balanced_split_gives_the_first_vstage_the_fewest_layers_that_keep_the_l
             if all(len(g) for g in s[1:-1]):  # inner groups hold at least one item
                 splits.append(s)
         best = min(cost(s) for s in splits)
-        got = _min_max_split(w, parts, first_extra=fe, last_extra=le)
+        got = min_max_split(w, parts, first_extra=fe, last_extra=le)
         assert [i for g in got for i in g] == list(range(n)) and cost(got) == best
         firsts = [len(s[0]) for s in splits if cost(s) == best]
         if len(got[0]):  # non-empty group 0: the smallest non-empty one any optimal split has
@@ -280,7 +281,7 @@ def test_balanced_split_gives_the_first_vstage_the_fewest_layers_that_keep_the_l
 
 
 def test_lower_bound_is_jackson_preemptive_bound():
-    from k3sched.metrics import _jackson_preemptive
+    from k3sched.bound import _jackson_preemptive
 
     # two jobs released at 0 and 1: run the long-tail one first, preempting
     assert _jackson_preemptive([(0.0, 4.0, 0.0), (1.0, 1.0, 10.0)]) == 12.0

@@ -9,9 +9,10 @@ import pytest
 
 from k3sched import schedules
 from k3sched.config import load_config
-from k3sched.cost import CostModel, load_profile
+from k3sched.cost import CostModel
+from k3sched.profile import load_profile
 from k3sched.planner import backbone, plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import Kind
 
 from conftest import CONFIGS, ROOT

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from k3sched.config import ConfigError, load_config
-from k3sched.graph import split_layers
 from k3sched.planner import plan
-from k3sched.rebalance import LayerTimes, measure, profile_split, stage_us, vstage_us
-from k3sched.render import plan_to_json
+from k3sched.layersplit import LayerTimes, profile_split, split_layers
+from k3sched.rebalance import measure, stage_us, vstage_us
+from k3sched.planfile import plan_to_json
 
 from conftest import ROOT
 

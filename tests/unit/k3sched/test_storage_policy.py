@@ -12,7 +12,7 @@ from k3sched.config import STORAGE_OPS, ConfigError, load_config
 from k3sched.cost import CostModel
 from k3sched.graph import OffloadChoice, build_step
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import Kind
 
 TINY = CONFIGS / "tiny-cpu.yaml"

@@ -132,9 +132,9 @@ def test_a_slack_plan_is_consistent_when_every_attempt_rebuilds_the_graph():
 
 def _planned_overlap(p, stage: int = 0) -> float:
     """Share of stage ``stage``'s communication-lane time that overlaps its compute, from the plan's
-    own task times, as ``k3sched validate`` reports it planned (``traces.intervals``)."""
+    own task times, as ``k3sched validate`` reports it planned (``k3sched.intervals``)."""
     from k3sched.tasks import COMM_LANES
-    from traces.intervals import overlap_length, union_length
+    from k3sched.intervals import overlap_length, union_length
 
     ts = [t for t in p.tasks.values() if t.stage == stage]
     comp = [t for t in ts if t.lane == "compute"]

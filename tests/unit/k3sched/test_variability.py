@@ -125,7 +125,7 @@ def test_calibration_fits_each_kinds_spread_beside_transfers(tmp_path):
     the share of it beside a transfer); the profile carries the result."""
     from traces.calibrate import Fit, _spread_beside_transfers, write_profile
 
-    from k3sched.cost import load_profile
+    from k3sched.profile import load_profile
 
     tasks = {"s0/mb0/L1/attn.fwd": {"kind": "attn.fwd", "lane": "compute"},
              "s0/mb1/L1/attn.fwd": {"kind": "attn.fwd", "lane": "compute"},

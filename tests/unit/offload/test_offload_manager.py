@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from k3sched.config import load_config
-from k3sched.cost import CostModel, load_profile
+from k3sched.cost import CostModel
+from k3sched.profile import load_profile
 from k3sched.tasks import Kind
 from offload import ActivationManager, BufferPool, OffloadCorruption, PolicyTable, size_class
 from offload.manager import KEEP, OFFLOAD, OFFLOAD_FP8

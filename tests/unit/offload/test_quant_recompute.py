@@ -17,11 +17,11 @@ import torch
 
 from k3sched.config import load_config
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from offload import ActivationManager, PolicyTable
 from offload.manager import OFFLOAD_FP8
 from offload.quant import dequantize, quantize
-from runtime.executor import stage_lanes
+from k3sched.lowering import stage_lanes
 from runtime.groups import Layout, build_groups
 from runtime.local import local_run
 from runtime.options import RuntimeOptions

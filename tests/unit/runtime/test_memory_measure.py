@@ -20,11 +20,12 @@ import torch
 from k3sched.config import load_config
 from k3sched.lowering import implied_edges
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import Kind
 from offload import ActivationManager
 from offload.memory import HeapMeter, MemoryTracker, MeterUnavailable, format_memory
-from runtime.executor import Executor, stage_lanes
+from k3sched.lowering import stage_lanes
+from runtime.executor import Executor
 from runtime.groups import Layout, build_groups
 from runtime.launch import run_command
 from runtime.local import local_run

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.launch import free_port
+from runtime.testbed import free_port
 
 pytestmark = pytest.mark.slow
 NUMEL = 1 << 16

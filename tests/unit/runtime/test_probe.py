@@ -19,7 +19,7 @@ TINY = CONFIGS / "tiny-cpu.yaml"
 # -- the fit ---------------------------------------------------------------------------------------
 
 def test_fit_recovers_exact_latency_and_bandwidth():
-    from runtime.probe import fit_latency_bandwidth
+    from runtime.probe.inprocess import fit_latency_bandwidth
 
     sizes = [4096 * 4 ** i for i in range(7)]
     times = [12.5 + s / (3.2 * 1e3) for s in sizes]  # 12.5 µs + bytes / 3.2 GB/s
@@ -31,7 +31,7 @@ def test_fit_recovers_exact_latency_and_bandwidth():
 
 
 def test_fit_noise_is_reported_and_intercept_clamped():
-    from runtime.probe import fit_latency_bandwidth
+    from runtime.probe.inprocess import fit_latency_bandwidth
 
     sizes = np.array([1e3, 1e4, 1e5, 1e6])
     noisy = (5.0 + sizes / 2e3) * np.array([1.1, 0.9, 1.1, 0.9])
@@ -200,7 +200,8 @@ def test_quick_probe_on_two_ranks_writes_a_config_that_plans(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_is_one_line():
-    from runtime.probe import ProbeError, measure_collectives
+    from runtime.probe import measure_collectives
+    from runtime.probe.inprocess import ProbeError
 
     with pytest.raises(ProbeError) as e:  # rank 5 does not exist: new_group fails on every rank
         measure_collectives(2, sizes=(4096, 65536), reps=1, min_s=0.0, timeout_s=60, groups={"bad": [0, 5]})

@@ -29,10 +29,11 @@ import torch
 from k3sched.config import load_config
 from k3sched.lowering import implied_edges
 from k3sched.planner import plan
-from k3sched.render import plan_to_json
+from k3sched.planfile import plan_to_json
 from k3sched.tasks import Kind
 from moe import handoff
-from runtime.executor import Executor, PlanTask, TaskError, stage_lanes
+from k3sched.lowering import stage_lanes
+from runtime.executor import Executor, PlanTask, TaskError
 from runtime.groups import Layout, build_groups
 from runtime.launch import run_command
 from runtime.racecheck import (RaceChecker, apply_drops, check_drops, clean_line, parse_drop, same_stage_deps)

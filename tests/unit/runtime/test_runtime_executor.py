@@ -142,8 +142,8 @@ def test_k3_and_serial_plans_give_the_same_loss_with_offload():
 def test_noop_overhead_is_small():
     cfg = load_config(TINY)
     from k3sched.planner import plan
-    from k3sched.render import plan_to_json
-    from runtime.executor import stage_lanes
+    from k3sched.planfile import plan_to_json
+    from k3sched.lowering import stage_lanes
 
     lanes = stage_lanes(plan_to_json(plan(cfg)), 1)
     with Executor(lanes, noop_handlers(), stage=1, perturb=None) as ex:
@@ -188,7 +188,7 @@ def overlapping_pairs(trace: dict) -> list[tuple[str, str]]:
 
 
 def test_serial_order_keeps_lanes_and_dependencies_and_detects_cycles():
-    from runtime.executor import serial_order
+    from k3sched.lowering import token_order as serial_order
 
     a = PlanTask("s0/mb0/L0/attn.fwd", Kind.ATTN_FWD, "compute", 0, 0, 0, 0, start_us=0, end_us=5)
     b = PlanTask("s0/mb0/L0/dispatch.fwd", Kind.DISPATCH_FWD, "ep", 0, 0, 0, 0, deps=(a.id,), start_us=5, end_us=9)

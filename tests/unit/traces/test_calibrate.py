@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from traces.calibrate import Fit, fit_profile, write_profile
 from k3sched.cli import app
-from k3sched.cost import load_profile
+from k3sched.profile import load_profile
 from traces import synth
 from traces.chrome import table_from_runtime
 
@@ -124,7 +124,7 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     Deterministic; the measured counterpart is the next test."""
     import json
 
-    from k3sched import render
+    from k3sched import planfile
     from k3sched.config import load_config
     from k3sched.planner import plan
 
@@ -132,7 +132,7 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     truth.write_text("format: k3sched.profile/1\nlatency_us: {ep: 700.0, collective: 300.0}\n"
                      "link_efficiency: {ep: 0.6, collective: 0.8}\n")
     source = SMALL + ["hardware.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"] + model_extra
-    pj = json.loads(render.dumps_plan(plan(load_config(TINY, source))))
+    pj = json.loads(planfile.dumps_plan(plan(load_config(TINY, source))))
     table = table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0, 1]}))
     fit = fit_profile(pj, table)
     # the plan's (the probe's) is the least slope; the regression finds about the one the trace was made with

@@ -10,7 +10,8 @@ from traces import synth
 from traces.chrome import table_from_runtime
 from traces.cli import validate_main
 from traces.events import EventTable
-from traces.validate import merge_intervals, overlap_length, union_length, validate
+from k3sched.intervals import merge_intervals, overlap_length, union_length
+from traces.validate import validate
 
 PLAN = synth.small_plan()
 TWO_RANKS_PER_STAGE = {0: [0, 1], 1: [2, 3]}

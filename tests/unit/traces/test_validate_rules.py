@@ -222,7 +222,7 @@ def test_sync_wait_is_the_time_before_the_stage_s_last_rank_posts():
     is its covered share. Reported only with comparable clocks and dp = 1."""
     import copy
 
-    from traces.intervals import overlap_length
+    from k3sched.intervals import overlap_length
 
     plan = copy.deepcopy(PLAN)
     plan["config"] = {"parallel": {"pp": 2, "ep": 2, "dp": 1}}
