@@ -195,7 +195,7 @@ def build_p2p_groups(groups: Groups, edges: Sequence[tuple[str, int, int]], *, r
                         groups.ready[key] = pgs[1]
 
 
-def _wait_bounded(work, deadline: float, what: str) -> None:
+def wait_bounded(work, deadline: float, what: str) -> None:
     from datetime import timedelta
 
     left = deadline - time.monotonic()
@@ -233,7 +233,7 @@ def warm_up_p2p(groups: Groups, timeout_s: float, device=None) -> int:
             work = dist.isend(buf, dst=groups.pp_rank(dst), group=pg)
         else:
             work = dist.irecv(buf, src=groups.pp_rank(src), group=pg)
-        _wait_bounded(work, deadline, name)
+        wait_bounded(work, deadline, name)
         if stage == dst and int(buf.item()) != 1:
             raise RuntimeError(f"{name}: received {int(buf.item())}, expected 1")
         n += 1

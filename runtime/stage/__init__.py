@@ -40,7 +40,7 @@ the synthetic token batches.
 
 from k3sched.tasks import LANES
 
-from .gradients import _allreduce_grads
+from .gradients import allreduce_grads
 from .model_ops import GRAD_WRITERS
 from .offloading import (BACKWARD_KINDS, LAST_FORWARD, REMOTE_KINDS, build_remote_group, remote_order,
                          verify_remote_orders)
@@ -51,4 +51,4 @@ from .spec import StageSpec, build_stage_model, model_args, synthetic_batch
 __all__ = ["LANES", "StageRunner", "StageSpec", "build_stage_model", "model_args", "synthetic_batch"]
 __all__ += ["BACKWARD_KINDS", "GRAD_WRITERS", "LAST_FORWARD", "P2P_MODES", "P2PStream", "PendingSends",
             "REMOTE_KINDS", "build_remote_group", "remote_order", "strict_recv", "strict_send",
-            "verify_remote_orders", "_allreduce_grads"]
+            "verify_remote_orders", "allreduce_grads"]

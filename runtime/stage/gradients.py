@@ -75,8 +75,8 @@ class Gradients:
         bucket = self._layer_buckets(t)[t.bucket or 0]
         dense = [p for n, p in bucket if not MoEModel.is_expert_param(n)]
         expert = [p for n, p in bucket if MoEModel.is_expert_param(n)]
-        _allreduce_grads(dense, self.groups.dense)
-        _allreduce_grads(expert, self.groups.expert)
+        allreduce_grads(dense, self.groups.dense)
+        allreduce_grads(expert, self.groups.expert)
         if self.replicated and expert:
             self._sum_replicas(expert, self.model.layers[t.layer].local_experts)
         for n, p in bucket:
@@ -90,7 +90,7 @@ class Gradients:
         if self.groups.mirror is None:
             raise RuntimeError(f"{t.id}: no mirror group (runtime.groups.build_mirror_groups)")
         named = sorted(self.model.named_parameters(), key=lambda kv: kv[0])
-        _allreduce_grads([p for _, p in named], self.groups.mirror)
+        allreduce_grads([p for _, p in named], self.groups.mirror)
         for n, p in named:
             handoff.write(p.grad, f"{n}.grad (grad.mirror)")
 
@@ -116,7 +116,7 @@ class Gradients:
                 p.grad[s_].copy_(buf[i])
 
 
-def _allreduce_grads(params: list[nn.Parameter], group) -> None:
+def allreduce_grads(params: list[nn.Parameter], group) -> None:
     """Sum the gradients of ``params`` over ``group`` in one flat buffer (no-op without a group)."""
     if group is None or not params:
         return

@@ -29,7 +29,7 @@ from offload.gradshard import GradShards
 
 from ..executor import Handler, PlanTask
 from ..groups import Groups
-from .gradients import _allreduce_grads
+from .gradients import allreduce_grads
 
 
 def step_groups(opt: torch.optim.Optimizer, groups: list[dict]) -> None:
@@ -143,7 +143,7 @@ class Optimizer:
             self._optim_layer(t.layer)
             return
         rest = [p for n, p in self.model.named_parameters() if not n.startswith("layers.")]
-        _allreduce_grads(rest, self.groups.optim)
+        allreduce_grads(rest, self.groups.optim)
         self._ready(rest if self.gshards is not None or self.layer_groups else self.params)
         if self.capture_grads:
             self.captured, self.capture_grads = {**self._layer_captured, **self.grads()}, False

@@ -21,7 +21,7 @@ from torch import Tensor
 from k3sched.tasks import Kind
 
 from ..executor import PlanTask
-from ..groups import Groups, _wait_bounded
+from ..groups import Groups, wait_bounded
 from .model_ops import state_key
 from .spec import StageSpec
 
@@ -154,19 +154,19 @@ def strict_send(buf: Tensor, dst: int, group, ready, tag: int, deadline: float, 
     """A send of [Note: strict P2P] (run by the communicator's :class:`P2PStream`): wait for the
     receiver's ready token on ``ready``, check it names this transfer (``tag``), send with tag 0."""
     tok = torch.zeros(1, dtype=torch.int64)
-    _wait_bounded(dist.irecv(tok, src=dst, group=ready), deadline, f"{what}: waiting for the receiver's ready token")
+    wait_bounded(dist.irecv(tok, src=dst, group=ready), deadline, f"{what}: waiting for the receiver's ready token")
     if int(tok.item()) != tag:
         raise RuntimeError(f"{what}: the receiver's next receive is another transfer (ready token {int(tok.item())}, "
                            f"this send {tag}): NCCL pairs by order and would deliver the wrong tensor")
-    _wait_bounded(dist.isend(buf, dst=dst, group=group, tag=0), deadline, f"{what}: send")
+    wait_bounded(dist.isend(buf, dst=dst, group=group, tag=0), deadline, f"{what}: send")
 
 
 def strict_recv(buf: Tensor, src: int, group, ready, tag: int, deadline: float, what: str) -> None:
     """A receive of [Note: strict P2P]: post it (tag 0), then send the ready token (``tag``)."""
     work = dist.irecv(buf, src=src, group=group, tag=0)
     tok = dist.isend(torch.tensor([tag], dtype=torch.int64), dst=src, group=ready)
-    _wait_bounded(work, deadline, f"{what}: receive")
-    _wait_bounded(tok, deadline, f"{what}: ready token")
+    wait_bounded(work, deadline, f"{what}: receive")
+    wait_bounded(tok, deadline, f"{what}: ready token")
 
 
 class P2P:

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from k3sched.config import Config
-from k3sched.graph import placement_for, split_layers
+from k3sched.graph import placement_for
+from k3sched.layersplit import split_layers
 from k3sched.pipelines import TABLE as PIPELINE_TABLE
 from k3sched.tasks import Kind
 from moe import MoEModel, MoEModelArgs, init_full_state

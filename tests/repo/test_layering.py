@@ -177,20 +177,13 @@ def test_no_import_cycle_between_modules():
             assert cyc is None, "import cycle: " + " -> ".join(cyc)
 
 
-PRIVATE_IMPORTS_ALLOWED = {
-    # runtime/stage/* is being recomposed on its own; these go with it (stage's __init__ and its
-    # optimizer take the gradients' reduction, p2p the bounded wait of runtime.groups)
-    ("runtime.stage", "runtime.stage.gradients", "_allreduce_grads"),
-    ("runtime.stage.optimizer", "runtime.stage.gradients", "_allreduce_grads"),
-    ("runtime.stage.p2p", "runtime.groups", "_wait_bounded"),
-}
 
 
 def test_no_private_name_imported_from_another_module():
     """A ``_name`` is its module's own: a name another module imports is part of its module's
     interface and has no underscore."""
     _, private = _module_graph()
-    bad = sorted(set(private) - PRIVATE_IMPORTS_ALLOWED)
+    bad = sorted(set(private))
     assert not bad, "; ".join(f"{a} imports {n} from {b}" for a, b, n in bad)
 
 
