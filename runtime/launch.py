@@ -324,7 +324,7 @@ def run_command(config_path: str | Path, overrides: list[str] | None, steps: int
     running (checked against the plan). ``device``: cpu, cuda or None (:func:`resolve_device`).
     ``warmup_steps``: the first steps left out of the summary's measured step (the median of the rest).
     ``trace_steps``: also write ``trace_steps_rank{R}.json``, the tasks of every step from the last
-    warm-up step on ([Note: traces of the measured steps] in runtime/train.py)."""
+    warm-up step on ([Note: traces of the measured steps] in runtime/steplog.py)."""
     out = Path(out_dir)
     if p2p not in ("buffered", "strict"):
         _err(f"--p2p: must be buffered or strict; got {p2p!r}")

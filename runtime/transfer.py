@@ -149,7 +149,7 @@ def transfer_check(config: Path, source: list[str], targets: dict[str, list[str]
     src = out / "source"
     before = float(_run(config, source, steps, src, warmup_steps)["measured_step_time_us"])
     profile = out / "profile.yaml"
-    # the measured steps, not the last alone ([Note: traces of the measured steps] in runtime/train.py)
+    # the measured steps, not the last alone ([Note: traces of the measured steps] in runtime/steplog.py)
     fit = calibrate_files(sorted(str(p) for p in src.glob("trace_steps_rank*.json")), src / "plan.json", profile,
                           summary=src / "summary.json")
     ovs = {name: source + extra + [f"schedule.profile={profile}"] for name, extra in targets.items()}

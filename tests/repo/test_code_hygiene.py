@@ -71,3 +71,53 @@ def test_rules_catch(text, rule):
 ])
 def test_rules_pass(text):
     assert not any(pat.search(text) for pat in RULES.values()), text
+
+
+def _note_name(text: str) -> str:
+    """A note's name as cited, a line break inside it (and a comment's ``#``) folded to one space."""
+    return re.sub(r"\s*\n[\s#]*", " ", text).strip()
+
+
+NOTE_DEF = re.compile(r'^[ \t#"]*\[Note: ([^\]]+)\]', re.M)
+NOTE_CITE = re.compile(r"\[Note: ([^\]]+)\]`? in [`:]*(?:func:`[^`]*`\s*\()?`?([A-Za-z0-9_/.]+\.(?:py|md))")
+
+
+def _notes(files: dict[str, str]) -> tuple[dict[str, set[str]], list[str]]:
+    """(note name -> files that define it, problems): a note is defined where ``[Note: NAME]``
+    begins a line; every ``[Note: NAME]`` must be defined somewhere, and one cited as
+    ``[Note: NAME] in FILE`` must be defined in FILE (a bare file name is beside the citing file)."""
+    defs: dict[str, set[str]] = {}
+    for f, text in files.items():
+        for m in NOTE_DEF.finditer(text):
+            defs.setdefault(_note_name(m.group(1)), set()).add(f)
+    bad = []
+    for f, text in files.items():
+        for m in re.finditer(r"\[Note: ([^\]]+)\]", text):
+            name = _note_name(m.group(1))
+            if name != "..." and name not in defs:
+                bad.append(f"{f}: [Note: {name}] is defined nowhere")
+        for m in NOTE_CITE.finditer(text):
+            name, path = _note_name(m.group(1)), m.group(2)
+            path = path if "/" in path else f"{f.rpartition('/')[0]}/{path}".lstrip("/")
+            if name in defs and path not in defs[name]:
+                bad.append(f"{f}: [Note: {name}] cited in {path}, defined in {', '.join(sorted(defs[name]))}")
+    return defs, bad
+
+
+def test_every_cited_note_is_where_it_is_cited():
+    """``[Note: NAME] in FILE`` sends a reader to FILE: the note must be there (notes move with the
+    code they explain, and the citations with them)."""
+    files = {p.relative_to(ROOT).as_posix(): p.read_text()
+             for d in (*PACKAGES, "tests", "docs", "benchmarks", "scripts") for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".md") and "__pycache__" not in p.parts and p.name != "test_code_hygiene.py"}
+    files["README.md"] = (ROOT / "README.md").read_text()
+    defs, bad = _notes(files)
+    assert len(defs) > 50  # the scan finds the notes
+    assert not bad, "\n".join(bad)
+
+
+def test_a_note_cited_in_the_wrong_file_is_caught():
+    files = {"a/x.py": "# [Note: kept]\n# the rule\n", "a/y.py": "see [Note: kept] in a/y.py; [Note: gone]\n",
+             "a/z.py": "see [Note: kept] in x.py"}
+    _, bad = _notes(files)
+    assert bad == ["a/y.py: [Note: gone] is defined nowhere", "a/y.py: [Note: kept] cited in a/y.py, defined in a/x.py"]

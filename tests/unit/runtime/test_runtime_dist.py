@@ -104,7 +104,7 @@ def test_traces_hold_every_planned_task_once_on_its_lane_thread(tiny_run):
 
 
 def test_trace_steps_hold_the_last_warmup_step_and_the_measured_ones_on_one_clock(tiny_run):
-    """[Note: traces of the measured steps] in runtime/train.py: with 3 steps, 2 of them warm-up,
+    """[Note: traces of the measured steps] in runtime/steplog.py: with 3 steps, 2 of them warm-up,
     trace_steps_rank{R}.json holds steps 1 and 2; its step 2 is trace_rank{R}.json's (same spans, one
     shift for every rank: both are aligned to the earliest task of any rank, of step 1 and of step 2),
     and calibrating from it drops step 1 as warm-up, so it fits exactly what the last step's traces
