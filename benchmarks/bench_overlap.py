@@ -22,9 +22,9 @@ the planned communication : compute time per rank is about 0.5, 1 and 2:
 Predictions are uncalibrated: compute, launch, AdamW and copy rates and the router's imbalance
 (``model.routing_imbalance``) come from ``k3sched probe`` run once at the start (no testbed), the
 links from the shaped rates and the probe's per-call latency and CPU cost of communication inside
-the testbed, how much longer an all-to-all takes beside compute (``hardware.comm_wait_us_per_call``,
-[Note: a transfer beside compute] in k3sched/planner.py) and its spread of compute beside
-all-to-alls (``hardware.task_time_cv``). Nothing is fitted to these runs.
+the testbed, how much longer an all-to-all takes beside compute (``hardware.cpu_runner.comm_wait_us_per_call``,
+[Note: a transfer beside compute] in k3sched/cpurunner.py) and its spread of compute beside
+all-to-alls (``hardware.cpu_runner.task_time_cv``). Nothing is fitted to these runs.
 
 Then the calibration transfer (``runtime/transfer.py``): a profile fitted from one k3 run of the
 EP-bound config (at the knobs the plans pick, as its k3 row) predicts four other configs, each
@@ -68,9 +68,9 @@ WARMUP = 2
 """Steps of each run left out of its measured step (the median of the rest): on the testbed the
 second step still ran 10-40% slower than the ones after it (an 8-step k3 run: 3338, 2231, 1688,
 1821, 1730, ... ms)."""
-PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param",
-          "host_cores")  # and from the probe inside the testbed: internode_latency_us, comm_cpu_ns_per_byte,
-# comm_cpu_us_per_call, comm_wait_us_per_call, task_time_cv
+PROBED = ("peak_tflops", "mfu", "hbm_gbps", "pcie_gbps", "pcie_latency_us", "launch_us", "optim_ns_per_param")
+# and hardware.cpu_runner.host_cores (compute_alone_factor too); from the probe inside the testbed:
+# internode_latency_us and cpu_runner's comm_cpu_ns_per_byte, comm_cpu_us_per_call, comm_wait_us_per_call, task_time_cv
 
 
 CONTENDED_REPS = 9
@@ -90,20 +90,23 @@ def probe_hardware(work: Path) -> dict:
     cfg = load_config(TINY, MODEL + list(CONFIGS.values())[0])
     res = probe(cfg, nproc=2, quick=True, work_dir=work / "probe")
     out = {f"hardware.{k}": res.hardware[k] for k in PROBED}
-    if "compute_alone_factor" in res.hardware:  # [Note: compute alone] in k3sched/planner.py
-        out["hardware.compute_alone_factor"] = res.hardware["compute_alone_factor"]
+    own = res.hardware["cpu_runner"]
+    out["hardware.cpu_runner.host_cores"] = own["host_cores"]
+    if "compute_alone_factor" in own:  # [Note: compute alone] in k3sched/cpurunner.py
+        out["hardware.cpu_runner.compute_alone_factor"] = own["compute_alone_factor"]
     out["schedule.profile"] = str(write_ops_profile(res.ops_us, work / "ops.yaml", res.per_expert_us))
     out["model.routing_imbalance"] = res.routing_imbalance
     tb = Testbed(cfg.hardware, 2, internode_gbps=0.05, gpus_per_node=1)
     knobs = dataclasses.replace(Knobs.of(True), contended_reps=CONTENDED_REPS)
     shaped = probe(None, nproc=2, quick=True, testbed=tb, work_dir=work / "probe_tb", knobs=knobs).hardware
     out["hardware.internode_latency_us"] = shaped["internode_latency_us"]
-    out["hardware.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
-    out["hardware.comm_cpu_us_per_call"] = shaped["comm_cpu_us_per_call"]
+    shaped = shaped["cpu_runner"]
+    out["hardware.cpu_runner.comm_cpu_ns_per_byte"] = shaped["comm_cpu_ns_per_byte"]
+    out["hardware.cpu_runner.comm_cpu_us_per_call"] = shaped["comm_cpu_us_per_call"]
     if shaped.get("comm_wait_us_per_call"):
-        out["hardware.comm_wait_us_per_call"] = shaped["comm_wait_us_per_call"]
+        out["hardware.cpu_runner.comm_wait_us_per_call"] = shaped["comm_wait_us_per_call"]
     if shaped.get("task_time_cv"):
-        out["hardware.task_time_cv"] = shaped["task_time_cv"]
+        out["hardware.cpu_runner.task_time_cv"] = shaped["task_time_cv"]
     return out
 
 

@@ -156,7 +156,7 @@ def compare(cfg: Config, pipelines: list[str] | None = None) -> list[Row]:
 
 def rank_us(r: Row) -> float:
     """[Note: ranking with a task-time spread] What a row is ranked by: its expected step when the
-    config has a task-time spread (``hardware.task_time_cv`` or a profile's ``time_cv``: the mean
+    config has a task-time spread (``hardware.cpu_runner.task_time_cv`` or a profile's ``time_cv``: the mean
     step of a replay of the plan's lane orders with sampled durations, [Note: task-time spread] in
     k3sched/variability.py), else its planned step. The planned step assumes every task takes its
     mean time; where durations spread, a plan whose transfers are hidden with little slack loses

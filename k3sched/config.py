@@ -189,9 +189,64 @@ class ParallelConfig(_Section):
         return self.pp * self.ep * self.dp
 
 
+class CpuRunnerConfig(_Section):
+    """The CPU runner (the gloo runner, lanes are CPU threads): the host's cores the ranks share, what a
+    transfer costs the compute beside it and how task times spread ([Note: the CPU-runner model] in
+    k3sched/cpurunner.py). ``k3sched probe`` measures every field on CPU. Each default is the value that
+    has no effect, so a section of defaults plans as a GPU does."""
+
+    host_cores: int = _int(0, 1 << 20, default=0)
+    """CPU cores (0..1048576) the ranks of one node share; compute tasks take ``max(1, ranks per node /
+    host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cpurunner.py). Every
+    other field acts only where it is set; 0: every rank has its own device, as on GPUs."""
+    comm_cpu_ns_per_byte: float = _float(0.0, 1e6, open_low=False, default=0.0)
+    """CPU time (ns, 0..1e6) a byte sent or received costs the rank (gloo threads, the kernel's TCP path):
+    compute that overlaps a transfer is slowed by it ([Note: CPU cost of communication] in
+    k3sched/cpurunner.py). ``k3sched probe`` measures it; 0: transfers cost no CPU."""
+    comm_cpu_us_per_call: float = _float(0.0, 1e6, open_low=False, default=0.0)
+    """CPU time (µs, 0..1e6) each communication call costs the rank besides its bytes: gloo's and the
+    kernel's per-message work, thread wake-ups, the cache the compute thread loses to them. Compute that
+    overlaps the call is slowed by it ([Note: CPU cost of communication] in k3sched/cpurunner.py).
+    ``k3sched probe`` measures it in the testbed as what concurrent all-to-alls cost a computing thread;
+    0: none."""
+    comm_wait_us_per_call: float = _float(0.0, 1e6, open_low=False, default=0.0)
+    """Time (µs, 0..1e6) each communication call takes longer while the rank's compute lane runs beside it:
+    every wake-up of the transfer's threads (gloo's, the lane's) waits for a core the compute thread
+    holds. A transfer is lengthened by it times the share of its span that compute overlaps ([Note: a
+    transfer beside compute] in k3sched/cpurunner.py). ``k3sched probe`` measures it in the testbed (an
+    all-to-all's time beside a GEMM loop less its time alone); 0: transfers do not wait for cores (left
+    out of plan.json)."""
+    compute_alone_factor: float = _float(0.0, 1.0, default=1.0)
+    """A compute task's time while no other rank of the host computes, over its time while every rank
+    computes (what the operator profile measures), (0, 1]: the ranks of one host share its caches and
+    memory bandwidth, so a pipeline stage computing in another stage's bubble runs faster ([Note:
+    compute alone] in k3sched/cpurunner.py). ``k3sched probe`` measures it (the operator profile alone
+    against the same with every rank at once); 1: no difference (left out of plan.json)."""
+    task_time_cv: float = _float(0.0, 10.0, open_low=False, default=0.0)
+    """Spread of a compute task's duration from run to run on this machine, as std / mean (0..10):
+    preemption, the transfers beside it, caches. When above 0 (or a profile gives per-kind values)
+    the plan also reports the step and overlap it expects with that spread, from a replay of its
+    lane orders with sampled durations ([Note: task-time spread] in k3sched/variability.py).
+    ``k3sched probe`` measures it beside transfers; 0: durations are exact (left out of plan.json)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_cpu_terms(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("task_time_cv", "comm_wait_us_per_call"):
+            if not getattr(self, key):
+                out.pop(key, None)
+        if self.compute_alone_factor == 1.0:
+            out.pop("compute_alone_factor", None)
+        return out
+
+
+CPU_RUNNER_FIELDS: tuple[str, ...] = tuple(CpuRunnerConfig.model_fields)
+"""The fields of ``hardware.cpu_runner``; a config that spells one flat under ``hardware`` is refused."""
+
+
 class HardwareConfig(_Section):
-    """What the cost model knows of the machine: compute rate, memories, links and, for the CPU runner, what
-    transfers cost the compute beside them (``k3sched probe`` measures these)."""
+    """What the cost model knows of the machine: compute rate, memories, links and, for the CPU runner only,
+    its ``cpu_runner`` section (``k3sched probe`` measures these)."""
 
     name: str = "gpu"
     """Free-form hardware name, shown in reports."""
@@ -224,49 +279,25 @@ class HardwareConfig(_Section):
     optim_ns_per_param: float | None = _float(0.0, 1e6, default=None)
     """AdamW step time per parameter, ns, > 0 and <= 1e6 (``k3sched probe`` measures it); default: 28 bytes per
     parameter (fp32 param, grad, two moments read; param, moments written) at ``hbm_gbps``."""
-    comm_cpu_ns_per_byte: float = _float(0.0, 1e6, open_low=False, default=0.0)
-    """CPU time (ns, 0..1e6) a byte sent or received costs the rank (gloo threads, the kernel's TCP path) when
-    lanes are CPU threads (``host_cores`` set); compute that overlaps a transfer is slowed by it.
-    ``k3sched probe`` measures it; 0: transfers cost no CPU (NIC DMA, GPUs)."""
-    comm_cpu_us_per_call: float = _float(0.0, 1e6, open_low=False, default=0.0)
-    """CPU time (µs, 0..1e6) each communication call costs the rank besides its bytes, when lanes are CPU
-    threads (``host_cores`` set): gloo's and the kernel's per-message work, thread wake-ups, the cache the
-    compute thread loses to them. Compute that overlaps the call is slowed by it ([Note: CPU cost of
-    communication] in k3sched/planner.py). ``k3sched probe`` measures it in the testbed as what
-    concurrent all-to-alls cost a computing thread; 0: none."""
-    comm_wait_us_per_call: float = _float(0.0, 1e6, open_low=False, default=0.0)
-    """Time (µs, 0..1e6) each communication call takes longer while the rank's compute lane runs beside it,
-    when lanes are CPU threads (``host_cores`` set): every wake-up of the transfer's threads (gloo's, the
-    lane's) waits for a core the compute thread holds. A transfer is lengthened by it times the share of
-    its span that compute overlaps ([Note: a transfer beside compute] in k3sched/planner.py).
-    ``k3sched probe`` measures it in the testbed (an all-to-all's time beside a GEMM loop less its time
-    alone); 0: transfers do not wait for cores (NIC DMA, GPUs; left out of plan.json)."""
-    host_cores: int = _int(0, 1 << 20, default=0)
-    """CPU cores (0..1048576) the ranks of one node share when lanes are CPU threads (the gloo runner); 0: every
-    rank has its own device (GPU streams). Compute tasks then take ``max(1, ranks per node /
-    host_cores)`` times their one-core duration ([Note: CPU sharing] in k3sched/cost.py)."""
-    compute_alone_factor: float = _float(0.0, 1.0, default=1.0)
-    """A compute task's time while no other rank of the host computes, over its time while every rank
-    computes (what the operator profile measures), (0, 1], when lanes are CPU threads (``host_cores``
-    set): the ranks of one host share its caches and memory bandwidth, so a pipeline stage computing
-    in another stage's bubble runs faster ([Note: compute alone] in k3sched/planner.py). ``k3sched
-    probe`` measures it (the operator profile alone against the same with every rank at once); 1: no
-    difference (GPUs; left out of plan.json)."""
-    task_time_cv: float = _float(0.0, 10.0, open_low=False, default=0.0)
-    """Spread of a compute task's duration from run to run on this machine, as std / mean (0..10):
-    preemption, the transfers beside it, caches. When above 0 (or a profile gives per-kind values)
-    the plan also reports the step and overlap it expects with that spread, from a replay of its
-    lane orders with sampled durations ([Note: task-time spread] in k3sched/variability.py).
-    ``k3sched probe`` measures it beside transfers; 0: durations are exact (left out of plan.json)."""
+    cpu_runner: CpuRunnerConfig | None = None
+    """The CPU runner's model (lanes are CPU threads sharing the host's cores, transfers cost CPU and wait
+    for cores, task times spread): a section of its own, ``k3sched probe`` writes it on CPU. Empty (the
+    default): the ranks run on GPUs and none of it applies. Left out of plan.json's config when empty."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_cpu_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in CPU_RUNNER_FIELDS:
+                if key in data:
+                    raise ValueError(f"hardware.{key}: moved to hardware.cpu_runner.{key}")
+        return data
 
     @model_serializer(mode="wrap")
-    def _drop_unset_cpu_terms(self, handler: Any) -> dict[str, Any]:
+    def _drop_gpu_cpu_runner(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        for key in ("task_time_cv", "comm_wait_us_per_call"):
-            if not getattr(self, key):
-                out.pop(key, None)
-        if self.compute_alone_factor == 1.0:
-            out.pop("compute_alone_factor", None)
+        if self.cpu_runner is None:
+            out.pop("cpu_runner", None)
         return out
 
 
@@ -332,7 +363,7 @@ class ScheduleConfig(_Section):
     k3sched/listsched.py)."""
     transfer_slack: float = _float(0.0, 16.0, open_low=False, default=0.0)
     """k3, CPU runner: the lane orders are chosen as if every transfer's wait beside compute
-    (``hardware.comm_wait_us_per_call``, [Note: a transfer beside compute] in k3sched/planner.py)
+    (``hardware.comm_wait_us_per_call``, [Note: a transfer beside compute] in k3sched/cpurunner.py)
     were ``1 + transfer_slack`` times the modelled one, so compute that needs a transfer's result is
     placed later and other work fills the margin; the plan's times are those of the modelled
     durations in these orders ([Note: transfer slack]). 0..16; 0 (the default) orders by the
@@ -494,9 +525,22 @@ def _bounds(meta: list) -> dict[str, Any]:
     return out
 
 
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    """The section class at a dotted location (``("hardware", "cpu_runner")``), None where there is none."""
+    cls: Any = Config
+    for part in loc:
+        f = cls.model_fields.get(str(part)) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if f is None:
+            return None
+        cls = next((a for a in (f.annotation, *get_args(f.annotation)) if isinstance(a, type) and issubclass(a, BaseModel)),
+                   None)
+    return cls
+
+
 def allowed_values(section: str, name: str) -> str:
-    """What field ``section.name`` accepts, in words (for error messages)."""
-    cls = _SECTIONS[section]
+    """What field ``section.name`` accepts, in words (for error messages); ``section`` may be dotted
+    (``hardware.cpu_runner``)."""
+    cls = _section_at(tuple(section.split(".")))
     f = cls.model_fields[name]
     ann = f.annotation
     args = [a for a in get_args(ann) if a is not type(None)] if get_origin(ann) is not Literal else []
@@ -515,6 +559,8 @@ def allowed_values(section: str, name: str) -> str:
         text = "one of " + ", ".join(str(a) for a in get_args(base))
     elif base is str:
         text = "a string"
+    elif isinstance(base, type) and issubclass(base, BaseModel):
+        text = "a mapping with keys " + ", ".join(base.model_fields)
     elif get_origin(base) is dict and get_origin(get_args(base)[1]) is Literal:
         text = "a mapping of names to one of " + ", ".join(str(a) for a in get_args(get_args(base)[1]))
     else:
@@ -530,7 +576,7 @@ def _format_pydantic_error(err: ValidationError) -> str:
     typ = e["type"]
     section = str(e["loc"][0]) if e["loc"] else ""
     if typ == "extra_forbidden":
-        sec = section if len(e["loc"]) > 1 else None
+        sec = ".".join(str(x) for x in e["loc"][:-1]) or None
         allowed = _allowed_keys(sec)
         return f"{loc}: unknown key; allowed: {', '.join(allowed)}"
     if typ == "value_error":  # our own model_validator messages already name the field
@@ -540,8 +586,10 @@ def _format_pydantic_error(err: ValidationError) -> str:
     if len(e["loc"]) == 1 and section in _SECTIONS:  # the section itself is not a mapping
         return (f"{section}: must be a mapping of KEY: VALUE (got {show_value(e.get('input'))}); allowed: keys "
                 f"{', '.join(_allowed_keys(section))} (leave the section out for its defaults)")
-    name = str(e["loc"][1]) if len(e["loc"]) > 1 else ""
-    allowed = allowed_values(section, name) if section in _SECTIONS and name in _SECTIONS[section].model_fields else ""
+    name = str(e["loc"][-1]) if len(e["loc"]) > 1 else ""
+    parent = _section_at(tuple(e["loc"][:-1]))
+    allowed = allowed_values(".".join(str(x) for x in e["loc"][:-1]), name) \
+        if parent is not None and name in parent.model_fields else ""
     tail = f"; allowed: {allowed}" if allowed else ""
     if typ == "missing":
         return f"{loc}: required field is missing{tail}"
@@ -553,26 +601,33 @@ def _format_pydantic_error(err: ValidationError) -> str:
 
 
 def _allowed_keys(section: str | None) -> list[str]:
-    cls = _SECTIONS.get(section or "", Config)
-    return list(cls.model_fields)
+    cls = _section_at(tuple(section.split("."))) if section else Config
+    return list((cls or Config).model_fields)
 
 
 _SECTIONS: dict[str, type[_Section]] = {"model": ModelConfig, "parallel": ParallelConfig,
                                         "hardware": HardwareConfig, "schedule": ScheduleConfig,
                                         "data": DataConfig}
-_SET_FORM = f"SECTION.KEY=VALUE with SECTION one of {', '.join(Config.model_fields)} (e.g. parallel.pp=4)"
+_SET_FORM = (f"SECTION.KEY=VALUE with SECTION one of {', '.join(Config.model_fields)} (e.g. parallel.pp=4), "
+             f"or SECTION.SUBSECTION.KEY=VALUE (e.g. hardware.cpu_runner.host_cores=2)")
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
-    if len(parts) != 2 or parts[0] not in Config.model_fields or not parts[1]:
+    nested = len(parts) == 3 and _section_at(tuple(parts[:2])) is not None
+    if (len(parts) != 2 and not nested) or parts[0] not in Config.model_fields or not all(parts):
         raise ConfigError(f"--set {show_value(dotted)[1:-1]}: expected SECTION.KEY (got {show_value(dotted)}); "
                           f"allowed: {_SET_FORM}")
-    data.setdefault(parts[0], {})
-    if not isinstance(data[parts[0]], dict):
-        raise ConfigError(f"{parts[0]}: must be a mapping to set {dotted} in (got {show_value(data[parts[0]])}); "
-                          f"allowed: a mapping of KEY: VALUE")
-    data[parts[0]][parts[1]] = value
+    for depth in range(1, len(parts)):
+        if data.get(parts[depth - 1]) is None and depth > 1:  # an empty sub-section: its defaults
+            data[parts[depth - 1]] = {}
+        data.setdefault(parts[depth - 1], {})
+        where = ".".join(parts[:depth])
+        if not isinstance(data[parts[depth - 1]], dict):
+            raise ConfigError(f"{where}: must be a mapping to set {dotted} in (got "
+                              f"{show_value(data[parts[depth - 1]])}); allowed: a mapping of KEY: VALUE")
+        data[parts[depth - 1]] = data = dict(data[parts[depth - 1]])
+    data[parts[-1]] = value
 
 
 def parse_overrides(items: list[str] | None) -> list[tuple[str, Any]]:

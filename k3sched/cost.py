@@ -18,11 +18,9 @@ send only posts the transfer; its T h b bytes move in the matching receive (gloo
 them once both sides are posted). optim.run costs AdamW per parameter plus the all-reduce of
 the embedding / head gradients. Offload / onload go over PCIe; remote offload over the P2P link.
 
-[Note: CPU sharing] On the CPU runner a rank's lanes are threads and the ranks of one node share
-``hardware.host_cores`` cores: compute and local-copy tasks run ``ranks per node / host_cores``
-times slower than on one core of their own (a processor-sharing model that assumes every rank
-computes at once; pipeline bubbles make it pessimistic). 0 (the default) means one device per
-rank, as on GPUs. It is a model of the machine, the same for every config, never fitted to a run.
+On the CPU runner (``hardware.cpu_runner`` set) compute shares the host's cores and transfers cost
+CPU: those terms are :class:`k3sched.cpurunner.CpuRunner`'s (``self.cpu``, None on GPUs; [Note: the
+CPU-runner model] in k3sched/cpurunner.py).
 
 A measured profile (YAML, see :func:`k3sched.profile.load_profile`, checked strictly: [Note:
 profile document] in k3sched/profile.py)
@@ -45,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 from .config import STORAGE_OPS, Config
+from .cpurunner import CpuRunner
 from .placement import GroupPlacement, RankOrder, group_placement, stage_pair_crosses
 from .profile import Profile, load_profile
 from .seqslice import keys
@@ -61,10 +60,6 @@ _GEMM = {
     Kind.SHARED_DX, Kind.SHARED_DW, Kind.EXPERT_FWD, Kind.EXPERT_DX, Kind.EXPERT_DW, Kind.MLP_FWD,
     Kind.MLP_DX, Kind.MLP_DW, Kind.HEAD_FWD, Kind.HEAD_DX, Kind.HEAD_DW, Kind.EMBED_FWD, Kind.EMBED_DW,
 }
-
-
-WIRE_WAIT_LANES = ("ep", "collective", "offload_remote")
-"""Lanes whose tasks are transfers on the wire (and wait for cores beside compute on the CPU runner)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +101,7 @@ class CostModel:
             profile = load_profile(cfg.schedule.profile)
         self.profile = profile or Profile()
         m, p, hw = cfg.model, cfg.parallel, cfg.hardware
+        self.cpu = CpuRunner(self, hw.cpu_runner) if hw.cpu_runner is not None else None
         self.T = m.tokens
         self.b = m.dtype_bytes
         self._flops_per_us = hw.peak_tflops * hw.mfu * 1e6  # TFLOP/s -> FLOP/µs
@@ -132,6 +128,7 @@ class CostModel:
         c = copy.copy(self)
         c.T = self.cfg.model.micro_batch_size * (end - start)
         c.slice = (start, end)
+        c.cpu = CpuRunner(c, c.cpu.rc) if c.cpu is not None else None
         return c
 
     # -- links -------------------------------------------------------------------------------
@@ -519,84 +516,19 @@ class CostModel:
 
     # -- durations -----------------------------------------------------------------------------
     def share(self, kind: Kind) -> float:
-        """[Note: CPU sharing] factor of a task of ``kind``: with ``hardware.host_cores`` set (lanes
-        are CPU threads), compute and local-copy tasks of the ranks of one node share that many
-        cores, so each takes ``ranks per node / host_cores`` times its one-core duration (at least 1).
-        Communication waits on the wire, not on a core."""
-        hw, p = self.cfg.hardware, self.cfg.parallel
-        if not hw.host_cores or LANE_OF[kind] not in ("compute", "offload_local"):
-            return 1.0
-        return max(1.0, min(p.world, hw.gpus_per_node) / hw.host_cores)
+        """[Note: CPU sharing] factor of a task of ``kind`` (in k3sched/cpurunner.py); 1 on GPUs."""
+        return self.cpu.share(kind) if self.cpu is not None else 1.0
 
     def overhead_us(self, kind: Kind) -> float:
         """Fixed cost of a communication task besides its wire time: the profile's measured
         ``overhead_us[kind]`` (``k3sched probe``'s operator profile), else ``hardware.launch_us``."""
         return self.profile.overhead_us.get(kind.value, self.cfg.hardware.launch_us)
 
-    def comm_cpu_load(self, kind: Kind, nbytes: int) -> tuple[float, float]:
-        """What a communication task costs the rank's CPU ([Note: CPU cost of communication] in
-        k3sched/planner.py): (bytes it sends plus receives, host-side µs). An all-to-all and a ring
-        reduction send and receive ``nbytes`` each; a P2P receive takes the activation bytes; an
-        EP task also runs its host-side work (:meth:`overhead_us`), and on the CPU runner every call
-        costs ``hardware.comm_cpu_us_per_call`` (:meth:`comm_calls`). (0, 0) for other lanes."""
-        lane = LANE_OF[kind]
-        if lane not in ("ep", "collective", "offload_remote"):
-            return 0.0, 0.0
-        hw = self.cfg.hardware
-        per_call = hw.comm_cpu_us_per_call * self.comm_calls(kind) if hw.host_cores else 0.0
-        if kind in (Kind.FWD_RECV, Kind.BWD_RECV):
-            return float(self.p2p_bytes()), per_call
-        moved = 2 * nbytes if lane == "ep" or kind in (Kind.GRAD_RS, Kind.GRAD_MIRROR) else nbytes
-        return float(moved), (self.overhead_us(kind) if lane == "ep" else 0.0) + per_call
-
     @staticmethod
     def comm_calls(kind: Kind) -> int:
         """Communication calls a task of ``kind`` makes: a dispatch (and its recompute) 2 (the
         token counts, then the rows), every other communication task 1."""
         return 2 if kind in (Kind.DISPATCH_FWD, Kind.DISPATCH_RE) else 1
-
-    def comm_cpu_ns_per_byte(self) -> float:
-        """CPU time per byte a rank sends or receives, when lanes are CPU threads (``host_cores``
-        set); 0 otherwise ([Note: CPU cost of communication] in k3sched/planner.py)."""
-        hw = self.cfg.hardware
-        fitted = self.profile.comm_cpu_ns_per_byte
-        return (hw.comm_cpu_ns_per_byte if fitted is None else fitted) if hw.host_cores else 0.0
-
-    def models_transfer_wait(self) -> bool:
-        """Whether transfers wait longer beside compute in this plan (:meth:`comm_wait_us`: the CPU
-        runner with ``hardware.comm_wait_us_per_call`` set), the wait ``schedule.transfer_slack``
-        scales ([Note: transfer slack] in k3sched/planner.py)."""
-        hw = self.cfg.hardware
-        return bool(hw.host_cores and hw.comm_wait_us_per_call)
-
-    def comm_wait_us(self, kind: Kind, layer: int | None = None, nbytes: int = 0) -> float:
-        """How much longer a communication task takes when compute runs beside it for its whole span,
-        on the CPU runner (``host_cores`` set): ``hardware.comm_wait_us_per_call`` per call or ring
-        step of its wire (the unit the link latency is paid in, [Note: wire model]); 0 for other
-        lanes and on GPUs ([Note: a transfer beside compute] in k3sched/planner.py)."""
-        hw = self.cfg.hardware
-        if not self.models_transfer_wait() or LANE_OF[kind] not in WIRE_WAIT_LANES:
-            return 0.0
-        w = self.wire(kind, layer=layer, nbytes=nbytes)
-        return hw.comm_wait_us_per_call * (w.steps if w is not None and w.steps else self.comm_calls(kind))
-
-    def compute_alone_factor(self) -> float:
-        """``hardware.compute_alone_factor`` where it can act ([Note: compute alone] in
-        k3sched/planner.py): lanes are CPU threads, more than one pipeline stage, one rank per stage
-        (a stage's replicas compute in step, so a rank of a wider stage never computes alone); else 1."""
-        hw, p = self.cfg.hardware, self.cfg.parallel
-        if not hw.host_cores or p.pp < 2 or p.world > p.pp:
-            return 1.0
-        return hw.compute_alone_factor
-
-    def comm_costs_cpu(self) -> bool:
-        """Whether a transfer and the compute beside it contend for the rank's cores (the transfer's CPU
-        per byte or per call, or its wake-ups' wait for a core): the planner then stretches both where
-        they overlap ([Note: CPU cost of communication], [Note: a transfer beside compute] in
-        k3sched/planner.py)."""
-        hw = self.cfg.hardware
-        return bool(self.comm_cpu_ns_per_byte()
-                    or (hw.host_cores and (hw.comm_cpu_us_per_call or hw.comm_wait_us_per_call)))
 
     def optim_us(self, params: int, nonlayer_params: int) -> float:
         """optim.run of a stage holding ``params`` parameters: AdamW over them (this rank's

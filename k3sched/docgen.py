@@ -243,16 +243,25 @@ def config_markdown() -> str:
         out.append(f"| [`{name}`](#{name}) | {'yes' if f.is_required() else 'no'} | {_one_line(first)} |")
     out.append("")
     missing: list[str] = []
-    for name, _, cls in sections:
+    todo = list(sections)
+    while todo:  # each section, then the sub-sections it holds (hardware.cpu_runner), each with its table
+        name, _, cls = todo.pop(0)
         docs = attribute_docs(cls)
-        out += [f"## `{name}`", "", _paragraphs(cls.__doc__), "",
+        level = "#" * (2 + name.count("."))
+        out += [f"{level} `{name}`", "", _paragraphs(cls.__doc__), "",
                 "| field | type | default | range | description |", "| --- | --- | --- | --- | --- |"]
+        subs = []
         for fname, field in cls.model_fields.items():
             if fname not in docs:
                 missing.append(f"{name}.{fname}")
             out.append(f"| `{fname}` | {_type_name(field.annotation)} | {_field_default(field)} | {_range(field)} "
                        f"| {_one_line(docs.get(fname))} |")
+            sub = next((a for a in (field.annotation, *get_args(field.annotation)) if hasattr(a, "model_fields")), None)
+            if sub is not None:
+                subs.append((f"{name}.{fname}", field, sub))
         out.append("")
+        todo[:0] = subs
+        sections += [x for x in subs if x not in sections]
     undocumented = [f"config section {n}" for n, _, c in sections if not (c.__doc__ or "").strip()]
     if missing or undocumented:
         raise ValueError("k3sched/config.py: no docstring for " + ", ".join(undocumented + missing))

@@ -47,7 +47,7 @@ def covered_each(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def alone_shares(groups: dict) -> dict:
     """For each group's intervals (key -> n x 2 array, every end after its start), the share of each
-    interval that no other group's intervals cover ([Note: compute alone] in k3sched/planner.py:
+    interval that no other group's intervals cover ([Note: compute alone] in k3sched/cpurunner.py:
     the groups are ranks or stages, the intervals their compute)."""
     merged = {g: merge(iv) for g, iv in groups.items()}
     out = {}

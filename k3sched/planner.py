@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import math
-from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,13 +34,13 @@ import numpy as np
 from . import schedules
 from .config import GiB, Config
 from .cost import CostModel
+from .cpurunner import contended_durations
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
 from .limits import InfeasibleBudget, check_limits, count_tasks, memory_lower_bound
 from .listsched import lane_orders_of, list_schedule, prepare, Prepared, retime
 from .pipelines import TABLE
 from .planfile import PlanMetrics
 from .seqslice import seq1f1b
-from .intervals import alone_shares, covered_each, merge
 from .metrics import compute_metrics, device_memory, device_peak_per_stage
 from .variability import expected, spread_active
 from .simulator import MemoryEvents, MemoryTimeline
@@ -219,13 +218,14 @@ class _Search:
         raw: list = []
         lane_orders = list_schedule(g, prep, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
         dur = None
-        if (not self.serial and self.cost.comm_costs_cpu()) or self.cost.compute_alone_factor() < 1.0:
-            slack = self.cfg.schedule.transfer_slack if not self.serial and self.cost.models_transfer_wait() else 0.0
-            for _ in range(2):  # [Note: CPU cost of communication], [Note: compute alone]: two rounds
-                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw, 1.0 + slack))
+        cpu = self.cost.cpu  # the CPU runner's contention ([Note: the CPU-runner model] in k3sched/cpurunner.py)
+        if cpu is not None and cpu.acts(self.serial):
+            slack = self.cfg.schedule.transfer_slack if not self.serial and cpu.models_transfer_wait() else 0.0
+            for _ in range(2):  # two rounds: the second sees the first's stretched overlaps
+                busy = replace(prep, dur=contended_durations(g, prep, skip, cpu, raw, 1.0 + slack))
                 lane_orders = list_schedule(g, busy, self.serial, wgrad_lag, la, skip, raw, materialize=not self.fast)
             if slack:  # [Note: transfer slack]: these orders, the modelled durations
-                busy = replace(prep, dur=_cpu_contended(g, prep, skip, self.cost, raw))
+                busy = replace(prep, dur=contended_durations(g, prep, skip, cpu, raw))
                 raw[1], raw[2] = retime(busy, raw[0], busy.dur, skip)
                 if not self.fast:
                     lane_orders = lane_orders_of(g, busy, *raw)
@@ -267,7 +267,7 @@ class _Search:
 # k3sched/variability.py: one rank's compute of a step runs longer than another's), so the
 # transfer ends late as often as not, and the compute that was placed at its planned end waits.
 # ``schedule.transfer_slack`` s orders the lanes as if every transfer's
-# wait beside compute ([Note: a transfer beside compute]) were 1 + s times the modelled one: the
+# wait beside compute ([Note: a transfer beside compute] in k3sched/cpurunner.py) were 1 + s times the modelled one: the
 # list scheduler then fills a longer margin after each transfer with other ready work, and the
 # plan keeps these orders with the modelled durations (:func:`k3sched.listsched.retime`: each
 # task as soon as its dependencies and the task before it on its resource allow, as the executor
@@ -280,93 +280,7 @@ class _Search:
 # shaped-link testbed is in docs/results.md. ``k3sched tune`` searches
 # :data:`k3sched.tune.TRANSFER_SLACKS`, the bench picks among them with the look-ahead and WGrad
 # lag. It acts only where the plan models that wait
-# (:meth:`k3sched.cost.CostModel.models_transfer_wait`): not on GPUs, not in a serial plan.
-
-
-def _cpu_contended(g: StepGraph, prep: Prepared, skip: frozenset[int], cost: CostModel, raw: list,
-                   wait_scale: float = 1.0) -> list[float]:
-    """[Note: CPU cost of communication] On the CPU runner a transfer costs the rank's cores too:
-    gloo's threads and the kernel's TCP path spend ``hardware.comm_cpu_ns_per_byte`` per byte a rank
-    sends or receives and ``hardware.comm_cpu_us_per_call`` per call (``k3sched probe`` measures
-    both, as what concurrent all-to-alls cost a computing thread), and an EP task's host-side work (routing
-    bookkeeping, permutes: its ``overhead_us``) runs on the same core. A compute task that overlaps a transfer
-    shares its core with that work, so it takes longer by the CPU time the overlapping transfers
-    spend during it (each transfer's CPU spread evenly over its planned span). Returns the
-    durations of ``prep`` with compute tasks stretched by the overlaps of the last schedule (``raw``:
-    its lane orders, start and end times by task index); the caller schedules again with them.
-    ``wait_scale``: the transfers' waits beside compute times this ([Note: transfer slack]).
-
-    [Note: a transfer beside compute] The other side of the same contention: a transfer's threads
-    (the lane's, gloo's) sleep between its messages and each wake-up waits for a core the compute
-    thread holds, so a call takes ``hardware.comm_wait_us_per_call`` longer while compute runs
-    beside it (``k3sched probe`` measures an all-to-all beside a GEMM loop against the same call
-    alone; on a shared CPU that is a sizeable part of an all-to-all). Each transfer is lengthened by
-    that times its calls or ring steps times the share of its span the stage's compute overlaps in
-    the last schedule; a serial plan has no compute beside a transfer and keeps its durations.
-    Without it the plan puts just an all-to-all's worth of compute beside each one, and the run's
-    compute waits for every late one: far longer than planned, with an overlap and a gain over the
-    serial plan well below the planned ones."""
-    ns = cost.comm_cpu_ns_per_byte()
-    contend = cost.comm_costs_cpu()  # else only [Note: compute alone] acts
-    dur = list(prep.dur)
-    tasks, ids = g.tasks, prep.ids
-    start_t, end_t = raw[1], raw[2]
-    by_stage: dict[int, tuple[list[int], list[tuple[float, float, float]], list[tuple[int, float]]]] = \
-        defaultdict(lambda: ([], [], []))
-    for i, tid in enumerate(ids):
-        if i in skip:
-            continue
-        t = tasks[tid]
-        comp, comm, waits = by_stage[t.stage]
-        if t.lane == "compute":
-            comp.append(i)
-        elif contend and end_t[i] > start_t[i]:
-            moved, host_us = cost.comm_cpu_load(t.kind, t.bytes)
-            cpu = moved * ns / 1e3 + host_us
-            if cpu:
-                comm.append((start_t[i], end_t[i], min(1.0, cpu / (end_t[i] - start_t[i]))))
-            wait = cost.comm_wait_us(t.kind, t.layer, t.bytes) * wait_scale
-            if wait:
-                waits.append((i, wait))
-    for comp, comm, waits in by_stage.values():
-        if comm:
-            ms = np.array([c[0] for c in comm])
-            me = np.array([c[1] for c in comm])
-            rate = np.array([c[2] for c in comm])
-            for i in comp:
-                ov = np.clip(np.minimum(me, end_t[i]) - np.maximum(ms, start_t[i]), 0.0, None)
-                dur[i] = prep.dur[i] + float(ov @ rate)
-        if waits and comp:
-            busy = np.array([(start_t[i], end_t[i]) for i in comp], dtype=float)
-            busy = merge(busy[busy[:, 1] > busy[:, 0]])
-            span = np.array([(start_t[i], end_t[i]) for i, _ in waits], dtype=float)
-            share = covered_each(span, busy) / (span[:, 1] - span[:, 0])
-            for (i, wait), sh in zip(waits, share):
-                dur[i] = prep.dur[i] + wait * float(sh)
-    alone = cost.compute_alone_factor()
-    if alone < 1.0:
-        _compute_alone(dur, prep, {s: v[0] for s, v in by_stage.items()}, start_t, end_t, alone)
-    return dur
-
-
-def _compute_alone(dur: list[float], prep: Prepared, comp: dict[int, list[int]], start_t, end_t,
-                   factor: float) -> None:
-    """[Note: compute alone] On the CPU runner the ranks of a host share its caches and memory
-    bandwidth besides its cores: the model's operators timed in one process run faster than with
-    two processes timing them at once (``k3sched probe --config`` measures the factor; the smaller
-    the shapes, the closer it is to 1), and the operator profile is measured with every rank
-    at once, as the ranks of an EP stage always compute. A pipeline stage of one rank computes alone
-    in the other stages' bubbles and while they wait for it, and there it runs faster: each compute
-    task is shortened by ``1 - factor`` (``hardware.compute_alone_factor``) of its duration times
-    the share of its span (in the last schedule) no other stage computes. Without it a pipeline
-    config's compute runs well under its planned time while an EP config's on the same machine does
-    not. Changes ``dur`` in place."""
-    ids = {s: [i for i in v if end_t[i] > start_t[i]] for s, v in comp.items()}
-    ids = {s: v for s, v in ids.items() if v}
-    shares = alone_shares({s: np.array([(start_t[i], end_t[i]) for i in v], dtype=float) for s, v in ids.items()})
-    for s, v in ids.items():
-        for i, a in zip(v, shares[s]):
-            dur[i] -= prep.dur[i] * (1.0 - factor) * float(a)
+# (:meth:`k3sched.cpurunner.CpuRunner.models_transfer_wait`): not on GPUs, not in a serial plan.
 
 
 BISECTION_TASKS = 30_000  # tasks the infeasible-budget bisection may plan in all (a few seconds at most)

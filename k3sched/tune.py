@@ -28,7 +28,7 @@ budget (``schedule.device_memory_budget``), so a plan that cannot fit it is infe
 of the front; the Pareto front is taken over (step time, peak device memory) of the feasible
 plans. The search stops at the time limit with the best found so far (the plans in flight are
 abandoned), keeping time to re-plan and write the best. With a task-time spread in the config
-(``hardware.task_time_cv``, or a profile's ``time_cv``) "step time" here is each plan's expected
+(``hardware.cpu_runner.task_time_cv``, or a profile's ``time_cv``) "step time" here is each plan's expected
 step, its lane orders replayed with sampled durations ([Note: ranking with a task-time spread] in
 k3sched/compare.py); the planned step is shown beside it.
 
@@ -145,7 +145,8 @@ def normalise(cfg: Config) -> Config:
     drop = {}
     if cfg.schedule.pipeline != "interleaved-1f1b" and cfg.schedule.warmup_extra:
         drop["warmup_extra"] = 0
-    if cfg.schedule.transfer_slack and (cfg.schedule.strategy == "serial" or not CostModel(cfg).models_transfer_wait()):
+    cpu = CostModel(cfg).cpu  # None on GPUs
+    if cfg.schedule.transfer_slack and (cfg.schedule.strategy == "serial" or cpu is None or not cpu.models_transfer_wait()):
         drop["transfer_slack"] = 0.0
     if drop:
         data = cfg.to_dict()

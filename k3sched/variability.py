@@ -17,7 +17,7 @@ sampled durations:
 
 - every compute-lane task's duration is its planned one times a log-normal factor of mean 1 and
   coefficient of variation ``cv(kind)``: the spread of the kind while a transfer runs beside it,
-  the profile's ``time_cv[kind]`` when a calibration measured it, else ``hardware.task_time_cv``
+  the profile's ``time_cv[kind]`` when a calibration measured it, else ``hardware.cpu_runner.task_time_cv``
   (``k3sched probe`` measures it beside all-to-alls); drawn independently per rank, sample and
   task. The spread is what the transfers' wake-ups, softirqs and cache traffic do to the compute
   thread. It applies to every compute task of a co-scheduled stage that has transfers, not only
@@ -41,7 +41,7 @@ its mean wait for the last rank at the synchronising transfers (``sync_wait_us``
 validate`` measures it: [Note: waiting for the last rank] in traces/validate.py).
 This is a prediction of what a run of the *same* lane orders costs; it does not re-plan around the
 spread. A transfer's own slowdown beside compute enters only through its planned duration
-([Note: a transfer beside compute] in k3sched/planner.py: the plan's share of compute beside it,
+([Note: a transfer beside compute] in k3sched/cpurunner.py: the plan's share of compute beside it,
 not resampled). Left out: the start-dependencies of gradient-shard onloads (a start waiting for
 another's start). Checked against
 the shaped-link testbed's runs in benchmarks/bench_overlap.py and tests/unit/k3sched/test_variability.py.
@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .cpurunner import task_time_cv
 from .intervals import covered, merge
 from .tasks import LANE_OF, LANES, SYNC_KINDS, Kind, Task
 
@@ -73,8 +74,8 @@ percent of that of 16 for the spreads seen)."""
 
 def time_cvs(cfg: "Config", cost: "CostModel") -> dict[Kind, float]:
     """cv of each compute-lane kind: the profile's ``time_cv`` where it has one, else the
-    hardware's ``task_time_cv`` (0: exact)."""
-    hw = cfg.hardware.task_time_cv
+    CPU runner's ``task_time_cv`` (0: exact, and on GPUs)."""
+    hw = task_time_cv(cfg)
     prof = cost.profile.time_cv
     return {k: float(prof.get(k.value, hw)) for k in Kind if LANE_OF[k] == "compute"}
 
@@ -239,8 +240,8 @@ def expected(tasks: Mapping[str, Task], lane_orders: Mapping[tuple[int, str], Se
             w = merge(np.stack([start0[comp, k], end[comp, k, 0]], axis=1))
             ratios.append(covered(c, w) / length)
         overlap.append(round(float(np.mean(ratios)), 6) if ratios else None)
-    return {"task_time_cv": cfg.hardware.task_time_cv,
-            "time_cv": {k.value: round(v, 6) for k, v in cvs.items() if v > 0 and v != cfg.hardware.task_time_cv},
+    return {"task_time_cv": task_time_cv(cfg),
+            "time_cv": {k.value: round(v, 6) for k, v in cvs.items() if v > 0 and v != task_time_cv(cfg)},
             "samples": S, "ranks": R, "seed": seed,
             "step_time_us": round(float(steps.mean()), 3),
             "step_time_p10_us": round(float(np.percentile(steps, 10)), 3),

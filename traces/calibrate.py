@@ -31,7 +31,7 @@ variable kinds when there are some, else from all of them) so the profile also d
 ``saved_bytes`` of the plan's own profile (``schedule.profile``) are kept.
 
 What transfers to other configs. Compute and local-copy kinds get per-kind durations on one core:
-the mean cost divided by the source config's [Note: CPU sharing] factor (``hardware.host_cores``),
+the mean cost divided by the source config's [Note: CPU sharing] factor (``hardware.cpu_runner.host_cores``),
 so a config with more or fewer ranks per node is charged its own sharing, less the CPU time the
 rank's transfers took from each instance at a cost per byte fitted from the run, at most what
 leaves the ops together no faster than the probe's operator profile, at least the source plan's
@@ -162,7 +162,7 @@ def fit_profile(plan: dict, events, *, skip_first_step: bool | None = None) -> F
     cpu_ns = None
     steal: dict = {}
     known = None
-    if model is not None and model.cfg.hardware.host_cores:
+    if model is not None and model.cpu is not None and model.cpu.rc.host_cores:
         known = _plan_cpu_ns(plan, model) or None  # measured (the probe) or fitted before: the least slope
         floor = {k: model.at_local_experts(Kind(k), d) * model.share(Kind(k))
                  for k, d in _plan_profile(plan, "durations_us").items() if k in Kind._value2member_map_}
@@ -334,7 +334,7 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
                known_ns: float | None = None) -> tuple[float, dict]:
     """Fit the CPU cost of a transferred byte from the run, and return it with, per compute-task
     instance, the CPU time the rank's overlapping transfers took from it ([Note: CPU cost of
-    communication] in k3sched/planner.py applied to the measured spans), so that the fitted
+    communication] in k3sched/cpurunner.py applied to the measured spans), so that the fitted
     durations are those of an uncontended core.
 
     Each compute instance's span is regressed on the bytes its rank's transfers moved during it
@@ -353,7 +353,7 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
     over the kinds that have a floor (``optim.run``, in no operator profile, has none and is left out
     of both sums, so it does not switch the bound off).
 
-    ``known_ns``: the cost per byte the source plan already has (``hardware.comm_cpu_ns_per_byte``,
+    ``known_ns``: the cost per byte the source plan already has (``hardware.cpu_runner.comm_cpu_ns_per_byte``,
     which ``k3sched probe`` measures in the testbed as what concurrent all-to-alls cost a GEMM loop,
     or a profile's): the least slope, also against the floor. The model's ops are shorter and many,
     with Python between them, and lose more to a transfer's threads than the probe's GEMM, so the
@@ -372,7 +372,7 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
         t = tasks[tid]
         if e <= s:
             continue
-        moved, over = model.comm_cpu_load(Kind(t["kind"]), int(t.get("bytes") or 0))
+        moved, over = model.cpu.comm_cpu_load(Kind(t["kind"]), int(t.get("bytes") or 0))
         if moved or over:
             comm[(r, k)].append((s, e, moved / (e - s), min(1.0, over / (e - s))))
     keys, kinds, xb, xo, y = [], [], [], [], []
@@ -409,7 +409,7 @@ def _cpu_steal(occ: dict, tasks: dict, model: CostModel, floor: dict | None = No
 
 def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
     """Per compute instance of a source whose ranks can compute alone ([Note: compute alone] in
-    k3sched/planner.py: one rank per pipeline stage), the amount to take from its span so that what
+    k3sched/cpurunner.py: one rank per pipeline stage), the amount to take from its span so that what
     remains is its cost with every rank computing, as the operator profile and the planner count
     it: (span - what ``steal`` already takes) / (1 - (1 - factor) x the share of its span no other
     rank computed), subtracted from the span. Empty where the factor does not act (EP or DP stages,
@@ -418,7 +418,7 @@ def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
 
     from k3sched.intervals import alone_shares
 
-    f = model.compute_alone_factor()
+    f = model.cpu.compute_alone_factor()
     if f >= 1.0:
         return {}
     comp: dict[int, dict[int, list[tuple[float, float, tuple]]]] = defaultdict(lambda: defaultdict(list))
@@ -437,15 +437,15 @@ def _alone_back(occ: dict, tasks: dict, model: CostModel, steal: dict) -> dict:
 
 def _waits_beside_compute(occ: dict, tasks: dict, model: CostModel) -> dict:
     """Per transfer instance, the time it waited for cores because its rank computed beside it
-    ([Note: a transfer beside compute] in k3sched/planner.py applied to the measured spans): the
-    plan's ``hardware.comm_wait_us_per_call`` per call or ring step, times the share of its span
+    ([Note: a transfer beside compute] in k3sched/cpurunner.py applied to the measured spans): the
+    plan's ``hardware.cpu_runner.comm_wait_us_per_call`` per call or ring step, times the share of its span
     the rank's compute covered. Taken out of its cost before the wire fit, so the fitted latency is
     the link's and a serial target (no compute beside a transfer) is not charged the wait."""
     import numpy as np
 
     from k3sched.intervals import covered_each, merge
 
-    if not model.cfg.hardware.comm_wait_us_per_call:
+    if not model.cpu.rc.comm_wait_us_per_call:
         return {}
     busy: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     spans: dict[tuple[int, int], list[tuple[tuple, float, float, float]]] = defaultdict(list)
@@ -457,7 +457,7 @@ def _waits_beside_compute(occ: dict, tasks: dict, model: CostModel) -> dict:
             busy[(r, k)].append((s, e))
             continue
         try:
-            wait = model.comm_wait_us(Kind(t["kind"]), t.get("layer"), int(t.get("bytes") or 0))
+            wait = model.cpu.comm_wait_us(Kind(t["kind"]), t.get("layer"), int(t.get("bytes") or 0))
         except (ValueError, AssertionError, TypeError):
             wait = 0.0
         if wait:
@@ -557,10 +557,10 @@ def _fixed_us(model: CostModel, kind: str, layer, nbytes: int) -> float:
 
 def _plan_cpu_ns(plan: dict, model: CostModel) -> float:
     """The CPU cost per transferred byte the plan was made with: its profile's (a calibration's)
-    when it has one, else ``hardware.comm_cpu_ns_per_byte`` (``k3sched probe``'s); 0: none."""
+    when it has one, else ``hardware.cpu_runner.comm_cpu_ns_per_byte`` (``k3sched probe``'s); 0: none."""
     own = _own_profile(plan)
     fitted = own.comm_cpu_ns_per_byte if own is not None else None
-    return float(fitted) if fitted is not None else model.comm_cpu_ns_per_byte()
+    return float(fitted) if fitted is not None else model.cpu.comm_cpu_ns_per_byte()
 
 
 def _own_profile(plan: dict) -> Profile | None:

@@ -36,13 +36,14 @@ of the config's ``hardware`` section (:class:`k3sched.config.HardwareConfig`, un
   machine (one node, loopback): both the NVLink and the inter-node fields get the loopback numbers.
   In the shaped-link testbed (``testbed=``, ``runtime/testbed.py``) the ranks of one emulated node
   (rank // gpus_per_node) give the NVLink fields and one rank per node the inter-node fields.
-- ``comm_cpu_ns_per_byte`` / ``comm_cpu_us_per_call`` (CPU only): what concurrent all-to-alls cost
+- On CPU, the ``hardware.cpu_runner`` section (``host_cores`` and what follows; on CUDA none):
+  ``comm_cpu_ns_per_byte`` / ``comm_cpu_us_per_call``: what concurrent all-to-alls cost
   a computing thread of the same rank, per byte sent and received and per call ([Note: what a call
   costs a computing thread] in ``runtime/probe/collectives.py``); without that measurement, rank
   0's process CPU time per byte in the largest all-to-alls.
 - ``comm_wait_us_per_call`` (CPU only, from the same measurement): how much longer an all-to-all
   call takes while the GEMM loop runs beside it than alone ([Note: a transfer beside compute] in
-  ``k3sched/planner.py``).
+  ``k3sched/cpurunner.py``).
 - With a config: the operator profile ([Note: operator profile] in ``inprocess.py``), with a MoE
   model its ``per_expert_us`` (the profile again with one EP rank's experts: [Note: per-expert
   cost] in ``k3sched/cost.py``), and ``model.routing_imbalance``, the router's busiest over mean EP
@@ -149,7 +150,7 @@ def probe(cfg=None, *, nproc: int = 2, quick: bool = False, testbed: Any = None,
         copies = max(1, min(nproc, os.cpu_count() or 1)) if device.type == "cpu" else 1
         ops = measure_ops_concurrent(cfg, copies, timeout_s, work_dir)
         fewer: list[dict[str, float]] = []  # [Note: per-expert cost] in k3sched/cost.py
-        if copies > 1:  # [Note: compute alone] in k3sched/planner.py
+        if copies > 1:  # [Note: compute alone] in k3sched/cpurunner.py
             say("operators: one copy alone (with one EP rank's experts before and after), then every copy again")
             alone, ops = compute_alone_factor(cfg, copies, ops, timeout_s, work_dir, fewer)
             hw["compute_alone_factor"] = alone
@@ -343,11 +344,15 @@ def _hardware(hw_base, cuda: bool, nproc: int, gpn: int, hw: dict[str, Any]) -> 
         "nvlink_gbps": m["nvlink_gbps"], "nvlink_latency_us": m["nvlink_latency_us"],
         "internode_gbps": m["internode_gbps"], "internode_latency_us": m["internode_latency_us"],
         "pcie_gbps": m["pcie_gbps"], "pcie_latency_us": m["pcie_latency_us"], "launch_us": m["launch_us"],
-        "optim_ns_per_param": m["optim_ns_per_param"], "host_cores": hw["host_cores"],
-        "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"], "comm_cpu_us_per_call": m["comm_cpu_us_per_call"],
-        **({"comm_wait_us_per_call": m["comm_wait_us_per_call"]} if m.get("comm_wait_us_per_call") else {}),
-        **({"task_time_cv": m["task_time_cv"]} if m.get("task_time_cv") else {}),
-        **({"compute_alone_factor": m["compute_alone_factor"]} if m.get("compute_alone_factor", 1.0) < 1.0 else {}),
+        "optim_ns_per_param": m["optim_ns_per_param"],
+        **({"cpu_runner": {  # on CPU only: the ranks share the host's cores ([Note: the CPU-runner model] in k3sched/cpurunner.py)
+            "host_cores": hw["host_cores"],
+            "comm_cpu_ns_per_byte": m["comm_cpu_ns_per_byte"], "comm_cpu_us_per_call": m["comm_cpu_us_per_call"],
+            **({"comm_wait_us_per_call": m["comm_wait_us_per_call"]} if m.get("comm_wait_us_per_call") else {}),
+            **({"task_time_cv": m["task_time_cv"]} if m.get("task_time_cv") else {}),
+            **({"compute_alone_factor": m["compute_alone_factor"]}
+               if m.get("compute_alone_factor", 1.0) < 1.0 else {}),
+        }} if hw["host_cores"] else {}),
     }
 
 
@@ -381,6 +386,10 @@ def hardware_block(result: ProbeResult, config_given: bool) -> str:
     """The ``hardware:`` mapping as YAML text, one commented line per field."""
     lines = ["hardware:"]
     for key, value in result.hardware.items():
+        if key == "cpu_runner":  # its own mapping, one commented line per field
+            lines.append("  cpu_runner:  # the CPU runner's model (k3sched/cpurunner.py)")
+            lines += [f"    {k}: {yaml_scalar(v)}  # {_FIELD_HOW[k]}" for k, v in value.items()]
+            continue
         how = _FIELD_HOW.get(key, "")
         if key in ("device_memory_gb", "host_memory_gb", "gpus_per_node", "name"):
             how = "from --config" if config_given else "this machine"

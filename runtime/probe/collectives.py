@@ -320,7 +320,7 @@ def comm_wait_fit(coll: dict) -> float | None:
     """How much longer one all-to-all call takes while the rank computes beside it (µs): the median
     over the contended rows of the first group that has them of the call's time beside the GEMM
     loop less its time alone, at least 0; the planner's ``hardware.comm_wait_us_per_call`` ([Note: a
-    transfer beside compute] in k3sched/planner.py). None without contended rows."""
+    transfer beside compute] in k3sched/cpurunner.py). None without contended rows."""
     for group in coll.get("groups", {}).values():
         rows = group.get("contended") or []
         if rows:

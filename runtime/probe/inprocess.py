@@ -444,7 +444,7 @@ def measure_ops_concurrent(cfg, copies: int, timeout_s: float = 300.0, work_dir:
 def compute_alone_factor(cfg, copies: int, first: dict[str, float], timeout_s: float = 300.0,
                          work_dir: str | Path | None = None,
                          fewer: list[dict[str, float]] | None = None) -> tuple[float, dict[str, float]]:
-    """``hardware.compute_alone_factor`` ([Note: compute alone] in k3sched/planner.py): the
+    """``hardware.compute_alone_factor`` ([Note: compute alone] in k3sched/cpurunner.py): the
     operator profile measured by one process alone, against ``first`` (measured by ``copies`` at
     once) and the same measured again after it (the order both, one, both: a drift of the machine's
     speed that is linear over the three cancels); the sum over the kinds, at most 1. Returns it with

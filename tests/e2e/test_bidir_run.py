@@ -41,7 +41,7 @@ def _plan(name: str, pp: int, extra: list[str] = ()):
 @pytest.mark.parametrize("gpus_per_node", [2, 4])
 def test_one_mirror_reduction_per_stage_after_its_gradients_before_its_optimizer(name, gpus_per_node):
     pp = 4
-    cfg, p = _plan(name, pp, ["hardware.host_cores=0", f"hardware.gpus_per_node={gpus_per_node}"])
+    cfg, p = _plan(name, pp, ["hardware.cpu_runner.host_cores=0", f"hardware.gpus_per_node={gpus_per_node}"])
     tasks = p.graph.tasks
     mirrors = {t.stage: t for t in tasks.values() if t.kind is Kind.GRAD_MIRROR}
     assert sorted(mirrors) == list(range(pp))

@@ -1,6 +1,6 @@
-"""[Note: a transfer beside compute] in k3sched/planner.py: on the CPU runner a transfer's
+"""[Note: a transfer beside compute] in k3sched/cpurunner.py: on the CPU runner a transfer's
 wake-ups wait for the cores its rank's compute holds, so the planner lengthens every transfer by
-``hardware.comm_wait_us_per_call`` per call or ring step times the share of it compute overlaps;
+``hardware.cpu_runner.comm_wait_us_per_call`` per call or ring step times the share of it compute overlaps;
 ``k3sched probe`` measures the wait, and calibration takes it out of the costs it fits."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from k3sched.tasks import LANE_OF, Kind
 
 from conftest import CONFIGS
 
-EP_BOUND = ["parallel.pp=1", "parallel.ep=2", "hardware.gpus_per_node=1", "hardware.host_cores=2",
-            "hardware.internode_gbps=0.05", "hardware.comm_cpu_ns_per_byte=0"]
+EP_BOUND = ["parallel.pp=1", "parallel.ep=2", "hardware.gpus_per_node=1", "hardware.cpu_runner.host_cores=2",
+            "hardware.internode_gbps=0.05", "hardware.cpu_runner.comm_cpu_ns_per_byte=0"]
 WAIT = 1500.0
 
 
@@ -27,30 +27,30 @@ def _cfg(*extra: str):
 
 
 def test_the_wait_is_per_call_or_ring_step_and_only_on_the_cpu_runner():
-    on = CostModel(_cfg(f"hardware.comm_wait_us_per_call={WAIT}"))
-    gpu = CostModel(_cfg(f"hardware.comm_wait_us_per_call={WAIT}", "hardware.host_cores=0"))
+    on = CostModel(_cfg(f"hardware.cpu_runner.comm_wait_us_per_call={WAIT}"))
+    gpu = CostModel(_cfg(f"hardware.cpu_runner.comm_wait_us_per_call={WAIT}", "hardware.cpu_runner.host_cores=0"))
     for kind, steps in ((Kind.DISPATCH_FWD, 2), (Kind.DISPATCH_RE, 2), (Kind.COMBINE_FWD, 1), (Kind.COMBINE_BWD, 1),
                         (Kind.DISPATCH_BWD, 1)):
-        assert on.comm_wait_us(kind) == pytest.approx(WAIT * steps), kind
-        assert gpu.comm_wait_us(kind) == 0.0, kind
+        assert on.cpu.comm_wait_us(kind) == pytest.approx(WAIT * steps), kind
+        assert gpu.cpu.comm_wait_us(kind) == 0.0, kind
     # a ring all-reduce over 2 ranks: 2 steps, as its latency is paid ([Note: wire model])
-    assert on.comm_wait_us(Kind.GRAD_RS, 1) == pytest.approx(WAIT * on.grad_wire(1).steps)
+    assert on.cpu.comm_wait_us(Kind.GRAD_RS, 1) == pytest.approx(WAIT * on.grad_wire(1).steps)
     assert on.grad_wire(1).steps == 2
-    assert on.comm_wait_us(Kind.ATTN_FWD) == 0.0 and on.comm_wait_us(Kind.ACT_OFFLOAD, nbytes=100) == 0.0
-    assert on.comm_costs_cpu() and not gpu.comm_costs_cpu() and not CostModel(_cfg()).comm_costs_cpu()
+    assert on.cpu.comm_wait_us(Kind.ATTN_FWD) == 0.0 and on.cpu.comm_wait_us(Kind.ACT_OFFLOAD, nbytes=100) == 0.0
+    assert on.cpu.comm_costs_cpu() and not gpu.cpu.comm_costs_cpu() and not CostModel(_cfg()).cpu.comm_costs_cpu()
 
 
 def test_transfers_beside_compute_are_planned_longer_and_the_serial_plan_is_not():
     # launch_us 0: the EP tasks have no host-side work, whose CPU would stretch the compute beside them
     # once the plan charges contention at all ([Note: CPU cost of communication])
     base, waited = plan(_cfg("hardware.launch_us=0")), plan(_cfg("hardware.launch_us=0",
-                                                                 f"hardware.comm_wait_us_per_call={WAIT}"))
-    cost = CostModel(_cfg(f"hardware.comm_wait_us_per_call={WAIT}"))
+                                                                 f"hardware.cpu_runner.comm_wait_us_per_call={WAIT}"))
+    cost = CostModel(_cfg(f"hardware.cpu_runner.comm_wait_us_per_call={WAIT}"))
     grown = []
     for tid, t in waited.tasks.items():
         b = base.tasks[tid].duration_us
         if LANE_OF[t.kind] in ("ep", "collective"):
-            most = cost.comm_wait_us(t.kind, t.layer, t.bytes)
+            most = cost.cpu.comm_wait_us(t.kind, t.layer, t.bytes)
             assert most > 0, tid
             # lengthened by the wait times the share of it compute overlapped (in the schedule before
             # the last: [Note: CPU cost of communication]'s fixed point), never by more than the whole
@@ -63,7 +63,7 @@ def test_transfers_beside_compute_are_planned_longer_and_the_serial_plan_is_not(
     assert sum(grown) > 0.2 * len(grown), grown
     assert waited.metrics.step_time_us >= base.metrics.step_time_us
     # one task at a time: nothing runs beside a transfer, nothing waits
-    s0, s1 = (plan(_cfg(f"hardware.comm_wait_us_per_call={w}"), "serial") for w in (0, WAIT))
+    s0, s1 = (plan(_cfg(f"hardware.cpu_runner.comm_wait_us_per_call={w}"), "serial") for w in (0, WAIT))
     assert [t.duration_us for t in s1.tasks.values()] == [t.duration_us for t in s0.tasks.values()]
     assert s1.metrics.step_time_us == s0.metrics.step_time_us
 
@@ -71,8 +71,8 @@ def test_transfers_beside_compute_are_planned_longer_and_the_serial_plan_is_not(
 def test_without_a_wait_the_plan_file_does_not_name_it():
     text = planfile.dumps_plan(plan(_cfg()))
     assert "comm_wait_us_per_call" not in text
-    doc = json.loads(planfile.dumps_plan(plan(_cfg(f"hardware.comm_wait_us_per_call={WAIT}"))))
-    assert doc["config"]["hardware"]["comm_wait_us_per_call"] == WAIT
+    doc = json.loads(planfile.dumps_plan(plan(_cfg(f"hardware.cpu_runner.comm_wait_us_per_call={WAIT}"))))
+    assert doc["config"]["hardware"]["cpu_runner"]["comm_wait_us_per_call"] == WAIT
 
 
 def test_probe_fit_is_the_median_extra_time_of_a_call_beside_compute():

@@ -122,10 +122,10 @@ def test_without_a_spread_rows_have_no_expected_step(rows) -> None:
 
 
 def test_a_task_time_spread_ranks_schedules_by_their_expected_step() -> None:
-    """[Note: ranking with a task-time spread]: with ``hardware.task_time_cv`` 0.3 on tiny-cpu,
+    """[Note: ranking with a task-time spread]: with ``hardware.cpu_runner.task_time_cv`` 0.3 on tiny-cpu,
     chimera plans a shorter step than dualpipev but expects a longer one (its transfers are hidden
     with less room), so the fastest row is dualpipev; the planned ranking would pick chimera."""
-    cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
+    cfg = load_config(TINY, ["hardware.cpu_runner.task_time_cv=0.3"])
     rows = compare(cfg, ["chimera", "dualpipev"])
     by = {r.label: r for r in rows}
     for r in rows:
@@ -142,7 +142,7 @@ def test_a_task_time_spread_ranks_schedules_by_their_expected_step() -> None:
     assert max(len(line) for line in text.splitlines()) <= 120
     assert "expected" in text and f"{by['dualpipev-k3'].expected_us / 1e3:.3f}" in text and "dualpipev *" in text
     wide = Console(width=240, record=True)
-    wide.print(render_table(rows + compare(load_config(TINY, ["parallel.pp=4", "hardware.task_time_cv=0.3"]),
+    wide.print(render_table(rows + compare(load_config(TINY, ["parallel.pp=4", "hardware.cpu_runner.task_time_cv=0.3"]),
                                            ["zb-v"]), wide=True))
     wtext = wide.export_text()
     assert "expected ms" in wtext and "skipped: zb-v" in wtext

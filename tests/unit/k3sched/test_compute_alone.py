@@ -1,5 +1,5 @@
-"""[Note: compute alone] in k3sched/planner.py: on the CPU runner a pipeline stage of one rank that
-computes while no other stage does runs ``hardware.compute_alone_factor`` of its profiled time; a
+"""[Note: compute alone] in k3sched/cpurunner.py: on the CPU runner a pipeline stage of one rank that
+computes while no other stage does runs ``hardware.cpu_runner.compute_alone_factor`` of its profiled time; a
 stage of several ranks (EP or DP replicas compute in step) and GPUs are unchanged; calibration
 takes the speed-up back out of a PP source's spans (traces/calibrate.py ``_alone_back``)."""
 
@@ -14,8 +14,8 @@ from k3sched.config import ConfigError, load_config
 from k3sched.planner import plan
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny-cpu.yaml"
-CPU = ["hardware.host_cores=2", "hardware.internode_gbps=0.02", "hardware.comm_cpu_ns_per_byte=2",
-       "hardware.comm_cpu_us_per_call=300", "model.layers=4", "parallel.microbatches=4", "schedule.offload=none",
+CPU = ["hardware.cpu_runner.host_cores=2", "hardware.internode_gbps=0.02", "hardware.cpu_runner.comm_cpu_ns_per_byte=2",
+       "hardware.cpu_runner.comm_cpu_us_per_call=300", "model.layers=4", "parallel.microbatches=4", "schedule.offload=none",
        "hardware.gpus_per_node=1"]
 PP2 = ["parallel.pp=2", "parallel.ep=1"]
 
@@ -31,9 +31,9 @@ def _tasks(p) -> dict:
 @pytest.mark.parametrize("strategy", ["k3", "serial"])
 def test_a_stage_computing_alone_runs_the_factor_of_its_time(strategy):
     # transfers that cost no CPU: the compute durations then differ by the factor alone
-    extra = PP2 + ["hardware.comm_cpu_ns_per_byte=0", "hardware.comm_cpu_us_per_call=0"] \
+    extra = PP2 + ["hardware.cpu_runner.comm_cpu_ns_per_byte=0", "hardware.cpu_runner.comm_cpu_us_per_call=0"] \
         + (["schedule.strategy=serial"] if strategy == "serial" else [])
-    base, fast = _plan(extra), _plan(extra + ["hardware.compute_alone_factor=0.8"])
+    base, fast = _plan(extra), _plan(extra + ["hardware.cpu_runner.compute_alone_factor=0.8"])
     assert fast.metrics.step_time_us < 0.97 * base.metrics.step_time_us
     b, f = _tasks(base), _tasks(fast)
     first = "s0/mb0/L0/attn.fwd"  # stage 1 has nothing to compute yet: alone for its whole span
@@ -44,10 +44,10 @@ def test_a_stage_computing_alone_runs_the_factor_of_its_time(strategy):
 
 
 @pytest.mark.parametrize("extra", [["parallel.pp=1", "parallel.ep=2"], ["parallel.pp=2", "parallel.ep=2"],
-                                   PP2 + ["hardware.host_cores=0"]],
+                                   PP2 + ["hardware.cpu_runner.host_cores=0"]],
                          ids=["one stage of two ranks", "stages of two ranks", "GPUs"])
 def test_ranks_that_never_compute_alone_are_unchanged(extra):
-    a, b = _plan(extra), _plan(extra + ["hardware.compute_alone_factor=0.5"])
+    a, b = _plan(extra), _plan(extra + ["hardware.cpu_runner.compute_alone_factor=0.5"])
     assert a.metrics.step_time_us == b.metrics.step_time_us
     ta, tb = _tasks(a), _tasks(b)
     assert all(ta[i].duration_us == tb[i].duration_us for i in ta)
@@ -58,14 +58,14 @@ def test_plan_json_names_the_factor_only_when_set(tmp_path):
 
     doc = json.loads(planfile.dumps_plan(_plan(PP2)))
     assert "compute_alone_factor" not in doc["config"]["hardware"]
-    doc = json.loads(planfile.dumps_plan(_plan(PP2 + ["hardware.compute_alone_factor=0.85"])))
-    assert doc["config"]["hardware"]["compute_alone_factor"] == 0.85
+    doc = json.loads(planfile.dumps_plan(_plan(PP2 + ["hardware.cpu_runner.compute_alone_factor=0.85"])))
+    assert doc["config"]["hardware"]["cpu_runner"]["compute_alone_factor"] == 0.85
 
 
 @pytest.mark.parametrize("bad", ["0", "1.2", "-0.5", "nan"])
 def test_a_factor_outside_0_1_is_refused_in_one_line(bad):
     with pytest.raises(ConfigError) as e:
-        load_config(TINY, [f"hardware.compute_alone_factor={bad}"])
+        load_config(TINY, [f"hardware.cpu_runner.compute_alone_factor={bad}"])
     assert "compute_alone_factor" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -78,7 +78,7 @@ def test_calibration_from_a_pp_source_takes_the_speedup_back_out(tmp_path):
     from traces.calibrate import fit_profile, write_profile
     from traces.chrome import table_from_runtime
 
-    source = PP2 + ["hardware.compute_alone_factor=0.8"]
+    source = PP2 + ["hardware.cpu_runner.compute_alone_factor=0.8"]
     pj = json.loads(planfile.dumps_plan(_plan(source)))
     table = table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0], 1: [1]}))
     fit = fit_profile(pj, table)

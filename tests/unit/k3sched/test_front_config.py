@@ -221,7 +221,7 @@ def test_shipped_configs_and_test_overrides_still_load():
     # overrides the tests and runtime pass (numbers, booleans, names, paths)
     load_config(TINY, ["parallel.pp=1", "parallel.microbatches=8", "hardware.nvlink_gbps=8", "schedule.offload=none",
                        "schedule.recompute=true", "schedule.act_quant=fp8", "hardware.internode_gbps=0.05",
-                       "hardware.comm_cpu_ns_per_byte=0.3", "schedule.device_memory_budget=0.02099609375",
+                       "hardware.cpu_runner.comm_cpu_ns_per_byte=0.3", "schedule.device_memory_budget=0.02099609375",
                        "schedule.profile=/tmp/p.yaml", "hardware.mfu=0.25", "model.layers=16"])
     cfg = load_config(K2)
     assert config_from_dict(cfg.to_dict()) == cfg  # plan.json round trip (calibrate reads it back)

@@ -32,11 +32,13 @@ PROFILE = {
     "overhead_us": {"combine.bwd": 1195.0, "combine.fwd": 1010.0, "dispatch.bwd": 717.1, "dispatch.fwd": 1019.0},
     "per_expert_us": {"expert.fwd": 62.25, "expert.dx": 5.75, "expert.dw": 24.88},
 }
-HARDWARE = {"comm_cpu_ns_per_byte": 0.4941, "comm_cpu_us_per_call": 514.2, "comm_wait_us_per_call": 1856.0,
-            "compute_alone_factor": 0.98, "hbm_gbps": 17.02, "host_cores": 2, "internode_gbps": 1.28,
+HARDWARE = {"cpu_runner": {"comm_cpu_ns_per_byte": 0.4941, "comm_cpu_us_per_call": 514.2,
+                           "comm_wait_us_per_call": 1856.0, "compute_alone_factor": 0.98, "host_cores": 2,
+                           "task_time_cv": 0.3996},
+            "hbm_gbps": 17.02, "internode_gbps": 1.28,
             "internode_latency_us": 392.8, "launch_us": 29.05, "mfu": 1.0, "nvlink_gbps": 1.28,
             "nvlink_latency_us": 392.8, "optim_ns_per_param": 8.589, "pcie_gbps": 30.0, "pcie_latency_us": 1.374,
-            "peak_tflops": 0.08169, "task_time_cv": 0.3996}
+            "peak_tflops": 0.08169}
 
 
 def probed_config(tmp_path: Path, *extra: str):

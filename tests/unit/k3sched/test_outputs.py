@@ -129,7 +129,7 @@ def test_plan_json_as_written_is_the_plain_document(overrides):
     assert dumps_plan_bytes(p) == orjson.dumps(plain, option=orjson.OPT_INDENT_2) + b"\n"
 
 
-@pytest.mark.parametrize("overrides", [[], ["hardware.task_time_cv=0.3"]])
+@pytest.mark.parametrize("overrides", [[], ["hardware.cpu_runner.task_time_cv=0.3"]])
 def test_plan_json_reads_back_as_the_planner_wrote_it(overrides):
     # k3sched.planfile writes plan.json and reads it back: the metrics read are the plan's, the
     # expected step only where the plan has a task-time spread, and the plan ranked by it there

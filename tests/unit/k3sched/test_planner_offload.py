@@ -50,7 +50,7 @@ def test_remote_offload_evens_out_stage_memory():
 def test_measured_profile_replaces_analytic_durations(tmp_path):
     prof = tmp_path / "profile.yaml"
     prof.write_text("durations_us:\n  attn.fwd: 1234.5\n  expert.dx: 99.0\nbandwidth_gbps:\n  ep: 1.0\n")
-    cfg = load_config(CONFIGS / "tiny-cpu.yaml", [f"schedule.profile={prof}", "hardware.host_cores=0"])
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml", [f"schedule.profile={prof}", "hardware.cpu_runner.host_cores=0"])
     p = plan(cfg)
     assert {x.duration_us for x in p.tasks.values() if x.kind is Kind.ATTN_FWD} == {1234.5}
     assert {x.duration_us for x in p.tasks.values() if x.kind is Kind.EXPERT_DX} == {99.0}

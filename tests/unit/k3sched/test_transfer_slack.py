@@ -24,9 +24,9 @@ TESTBED_EP = ["model.hidden=256", "model.expert_hidden=512", "model.dense_hidden
               "model.micro_batch_size=4", "parallel.microbatches=4", "hardware.gpus_per_node=1",
               "schedule.offload=none", "hardware.device_memory_gb=2", "parallel.pp=1", "parallel.ep=2",
               "hardware.peak_tflops=0.09455", "hardware.mfu=1.0", "hardware.hbm_gbps=21.74",
-              "hardware.launch_us=28.67", "hardware.host_cores=2", "hardware.internode_latency_us=906.9",
-              "hardware.comm_cpu_ns_per_byte=1.422", "hardware.comm_cpu_us_per_call=674.7",
-              "hardware.comm_wait_us_per_call=1460", "hardware.task_time_cv=0.393",
+              "hardware.launch_us=28.67", "hardware.cpu_runner.host_cores=2", "hardware.internode_latency_us=906.9",
+              "hardware.cpu_runner.comm_cpu_ns_per_byte=1.422", "hardware.cpu_runner.comm_cpu_us_per_call=674.7",
+              "hardware.cpu_runner.comm_wait_us_per_call=1460", "hardware.cpu_runner.task_time_cv=0.393",
               "model.routing_imbalance=1.086", "hardware.internode_gbps=0.0709",
               "schedule.lookahead=4", "schedule.wgrad_lag=8"]
 
@@ -79,10 +79,10 @@ def test_a_slack_plan_keeps_the_modelled_durations_in_its_orders():
     # the modelled durations, not the slack's longer waits: no transfer is planned longer than
     # its wire time plus the whole modelled wait ([Note: a transfer beside compute])
     cost = CostModel(slack.cfg)
-    nowait = plan(_cfg("hardware.comm_wait_us_per_call=0"))
+    nowait = plan(_cfg("hardware.cpu_runner.comm_wait_us_per_call=0"))
     for tid, t in slack.tasks.items():
         if t.lane in ("ep", "collective"):
-            assert t.duration_us <= nowait.tasks[tid].duration_us + cost.comm_wait_us(t.kind, t.layer, t.bytes) + 1e-6
+            assert t.duration_us <= nowait.tasks[tid].duration_us + cost.cpu.comm_wait_us(t.kind, t.layer, t.bytes) + 1e-6
 
 
 def test_the_slack_is_expected_to_pay_on_the_ep_bound_testbed_row():
@@ -95,7 +95,7 @@ def test_the_slack_is_expected_to_pay_on_the_ep_bound_testbed_row():
     assert es["comm_overlap_ratio"][0] > eb["comm_overlap_ratio"][0] + 0.01
 
 
-@pytest.mark.parametrize("extra", [("hardware.host_cores=0",), ("hardware.comm_wait_us_per_call=0",)],
+@pytest.mark.parametrize("extra", [("hardware.cpu_runner.host_cores=0",), ("hardware.cpu_runner.comm_wait_us_per_call=0",)],
                          ids=["gpu", "no-wait"])
 def test_without_a_modelled_wait_the_slack_changes_nothing(extra):
     a, b = plan(_cfg(*extra)), plan(_cfg(*extra, "schedule.transfer_slack=3"))
@@ -122,7 +122,7 @@ def test_a_slack_out_of_range_is_one_line_naming_the_field(value):
 
 def test_a_slack_plan_is_consistent_when_every_attempt_rebuilds_the_graph():
     # remote offload: the planner rebuilds the graph per attempt and writes times as it schedules
-    cfg = load_config(CONFIGS / "tiny-cpu.yaml", ["hardware.comm_wait_us_per_call=1500", "schedule.offload=remote",
+    cfg = load_config(CONFIGS / "tiny-cpu.yaml", ["hardware.cpu_runner.comm_wait_us_per_call=1500", "schedule.offload=remote",
                                                   "schedule.transfer_slack=2"])
     p = plan(cfg)
     assert [tid for tid, t in p.tasks.items() if abs(t.end_us - t.start_us - t.duration_us) > 1e-3] == []

@@ -116,7 +116,7 @@ def test_with_a_task_time_spread_the_search_minimises_the_expected_step(tmp_path
     from k3sched.config import config_from_dict
     from k3sched.planner import plan
 
-    cfg = load_config(TINY, ["hardware.task_time_cv=0.3", "parallel.microbatches=2"])
+    cfg = load_config(TINY, ["hardware.cpu_runner.task_time_cv=0.3", "parallel.microbatches=2"])
     tuner = Tuner(cfg, cfg.hardware.device_memory_gb, time_limit_s=120, jobs=1)
     search(tuner, None)
     ok = [r for r in tuner.results if r.ok and r.peak_device <= tuner.budget_bytes]
@@ -127,7 +127,7 @@ def test_with_a_task_time_spread_the_search_minimises_the_expected_step(tmp_path
     assert again.expected["step_time_us"] == best.expected_us and again.step_time_us == best.step_us
     assert [r.rank_us for r in pareto(tuner.results)] == sorted(r.rank_us for r in pareto(tuner.results))
     console = Console(width=120, record=True)
-    assert tune_command(TINY, ["hardware.task_time_cv=0.3", "parallel.microbatches=2"], None, 60.0, 2, tmp_path,
+    assert tune_command(TINY, ["hardware.cpu_runner.task_time_cv=0.3", "parallel.microbatches=2"], None, 60.0, 2, tmp_path,
                         console, progress=False) == 0
     text = console.export_text()
     assert "expected ms" in text and "times below are expected steps" in text

@@ -25,7 +25,7 @@ def _two_task_step(cv: float, ep: int):
     """A compute task (1 ms) then the all-to-all that needs it on every EP rank (no wire time);
     another micro-batch's all-to-all (1 us, so the stage has a transfer and its compute spreads)
     is planned beside the compute task."""
-    cfg = load_config(TINY, ["parallel.pp=1", f"parallel.ep={ep}", f"hardware.task_time_cv={cv}"])
+    cfg = load_config(TINY, ["parallel.pp=1", f"parallel.ep={ep}", f"hardware.cpu_runner.task_time_cv={cv}"])
     a = Task("s0/mb0/L1/attn.fwd", Kind.ATTN_FWD, "compute", 0, 0, 0, 1, duration_us=1000.0,
              start_us=0.0, end_us=1000.0)
     c = Task("s0/mb1/L1/combine.fwd", Kind.COMBINE_FWD, "ep", 0, 0, 1, 1, duration_us=1.0, start_us=0.0, end_us=1.0)
@@ -78,7 +78,7 @@ def test_without_spread_the_replay_is_the_plan_and_plans_carry_no_expected_block
 
 
 def test_spread_raises_the_step_lowers_the_overlap_and_replays_the_same_each_time():
-    cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
+    cfg = load_config(TINY, ["hardware.cpu_runner.task_time_cv=0.3"])
     a, b = plan(cfg), plan(cfg)
     e = a.metrics.expected
     assert e == b.metrics.expected  # seeded: a plan's expectation is reproducible
@@ -96,7 +96,7 @@ def test_spread_raises_the_step_lowers_the_overlap_and_replays_the_same_each_tim
 
 
 def test_a_serial_plan_replays_one_task_at_a_time():
-    cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
+    cfg = load_config(TINY, ["hardware.cpu_runner.task_time_cv=0.3"])
     e = plan(cfg, "serial").metrics.expected
     assert e["comm_overlap_ratio"] == [0.0, 0.0]
 
@@ -105,7 +105,7 @@ def test_a_serial_plans_tasks_spread_and_its_ranks_wait_for_each_other():
     """[Note: spread of a task the plan puts alone]: a serial plan's compute spreads as a
     co-scheduled one's (measured so on the testbed), so its EP ranks wait for each other at every
     all-to-all and its expected step is above the planned one; without a spread it is the plan."""
-    cfg = load_config(TINY, ["hardware.task_time_cv=0.3"])
+    cfg = load_config(TINY, ["hardware.cpu_runner.task_time_cv=0.3"])
     p = plan(cfg, "serial")
     e = p.metrics.expected
     assert e["step_time_us"] > 1.02 * p.metrics.step_time_us
@@ -114,7 +114,7 @@ def test_a_serial_plans_tasks_spread_and_its_ranks_wait_for_each_other():
 
 
 def test_a_profile_spread_replaces_the_hardware_one_for_its_kinds():
-    cfg = load_config(TINY, ["hardware.task_time_cv=0.1"])
+    cfg = load_config(TINY, ["hardware.cpu_runner.task_time_cv=0.1"])
     cvs = time_cvs(cfg, CostModel(cfg, Profile(time_cv={"expert.fwd": 0.4})))
     assert cvs[Kind.EXPERT_FWD] == 0.4 and cvs[Kind.ATTN_FWD] == 0.1
     assert Kind.DISPATCH_FWD not in cvs  # communication is not sampled: its waits come from the sync

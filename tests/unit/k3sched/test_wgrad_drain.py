@@ -14,7 +14,7 @@ from conftest import CONFIGS
 EP_BOUND = ["parallel.pp=1", "parallel.ep=2", "model.hidden=256", "model.expert_hidden=512",
             "model.dense_hidden=1024", "model.seq_len=128", "model.micro_batch_size=4", "parallel.microbatches=4",
             "hardware.gpus_per_node=1", "schedule.offload=none", "hardware.device_memory_gb=2",
-            "hardware.host_cores=2", "hardware.internode_gbps=0.085"]
+            "hardware.cpu_runner.host_cores=2", "hardware.internode_gbps=0.085"]
 
 
 def _plan(extra: list[str], strategy: str | None = None):

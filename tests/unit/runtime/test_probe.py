@@ -80,8 +80,8 @@ def _fake_result(nproc: int = 2):
     hw = {"name": "probe cpu-2core", "peak_tflops": 0.07, "mfu": 1.0, "hbm_gbps": 15.0, "device_memory_gb": 0.25,
           "host_memory_gb": 4.0, "gpus_per_node": 4, "nvlink_gbps": 0.9, "nvlink_latency_us": 300.0,
           "internode_gbps": 0.9, "internode_latency_us": 300.0, "pcie_gbps": 20.0, "pcie_latency_us": 1.5,
-          "launch_us": 15.0, "optim_ns_per_param": 7.5, "host_cores": 2, "comm_cpu_ns_per_byte": 3.0,
-          "comm_cpu_us_per_call": 250.0}
+          "launch_us": 15.0, "optim_ns_per_param": 7.5, "cpu_runner": {"host_cores": 2, "comm_cpu_ns_per_byte": 3.0,
+          "comm_cpu_us_per_call": 250.0}}
     coll = {"groups": {}, "fits": {"loopback": {"sendrecv": Fit(300.0, 0.9, 0.05, 4)}}}
     return ProbeResult(hw, [Row("x", "1", "y")], coll, [], "cpu", nproc, False, ["a note"])
 
@@ -105,7 +105,9 @@ def test_written_config_loads_and_plans(tmp_path):
     doc = yaml.safe_load(only.read_text())
     assert list(doc) == ["hardware"]
     assert HardwareConfig.model_validate(doc["hardware"]).model_dump() == res.hardware
-    merged = load_config(TINY, [f"hardware.{k}={v}" for k, v in doc["hardware"].items()])
+    flat = {**{k: v for k, v in doc["hardware"].items() if k != "cpu_runner"},
+            **{f"cpu_runner.{k}": v for k, v in doc["hardware"]["cpu_runner"].items()}}
+    merged = load_config(TINY, [f"hardware.{k}={v}" for k, v in flat.items()])
     assert merged.hardware.model_dump() == res.hardware
 
 
@@ -177,18 +179,18 @@ def test_quick_probe_on_two_ranks_writes_a_config_that_plans(tmp_path):
                  "loopback sendrecv", "busbw GB/s"):
         assert what in r.stdout, what
     cfg = load_config(out)
-    hw = cfg.hardware
+    hw, cr = cfg.hardware, cfg.hardware.cpu_runner
     assert hw.mfu == 1.0 and hw.nvlink_gbps == hw.internode_gbps and hw.gpus_per_node == 4
     assert 1e-4 < hw.peak_tflops < 10 and 0.05 < hw.hbm_gbps < 1e3 and 0.01 < hw.nvlink_gbps < 100
     assert 0 < hw.launch_us < 1e4 and hw.pcie_gbps > 0.05
     # what concurrent all-to-alls cost a computing thread, measured on CPU and fitted per call and byte
     assert "beside compute" in r.stdout and "comm_cpu_us_per_call" in r.stdout
-    assert 0 <= hw.comm_cpu_us_per_call < 1e5 and 0 <= hw.comm_cpu_ns_per_byte < 1e3
-    assert hw.comm_cpu_us_per_call + hw.comm_cpu_ns_per_byte > 0
+    assert 0 <= cr.comm_cpu_us_per_call < 1e5 and 0 <= cr.comm_cpu_ns_per_byte < 1e3
+    assert cr.comm_cpu_us_per_call + cr.comm_cpu_ns_per_byte > 0
     # the router's spread over tiny-cpu's 2 EP ranks, measured at EP 1 and written into the model section
     assert "model.routing_imbalance" in r.stdout and 1.0 < cfg.model.routing_imbalance < 2.0
     # the operator profile timed alone against two copies at once ([Note: compute alone]): written when below 1
-    assert "compute_alone_factor" in r.stdout and 0.3 < hw.compute_alone_factor <= 1.0
+    assert "compute_alone_factor" in r.stdout and 0.3 < cr.compute_alone_factor <= 1.0
     # each expert op's part per local expert, from a second profile with one EP rank's 4 experts
     from k3sched.profile import load_profile
 

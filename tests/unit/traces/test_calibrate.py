@@ -103,15 +103,15 @@ def test_cli_unreadable_trace_is_one_line_exit_2(tmp_path):
 
 SMALL = ["parallel.pp=1", "parallel.ep=2", "model.hidden=128", "model.expert_hidden=256", "model.dense_hidden=512",
          "model.seq_len=128", "model.micro_batch_size=4", "parallel.microbatches=4", "hardware.gpus_per_node=1",
-         "schedule.offload=none", "hardware.host_cores=2", "hardware.internode_gbps=0.025",
+         "schedule.offload=none", "hardware.cpu_runner.host_cores=2", "hardware.internode_gbps=0.025",
          "hardware.device_memory_gb=2"]
 BOUND = 0.30  # |measured / predicted - 1| of the source; of a target, relative to the source (docstring)
 TARGETS = {"microbatches x2": ["parallel.microbatches=8"], "serial": ["schedule.strategy=serial"],
            "pp 2 x ep 1": ["parallel.pp=2", "parallel.ep=1"], "half link rate": ["hardware.internode_gbps=0.0125"]}
 
 
-@pytest.mark.parametrize("model_extra", [[], ["hardware.comm_cpu_us_per_call=300", "model.routing_imbalance=1.2"],
-                                         ["hardware.comm_wait_us_per_call=1500"]],
+@pytest.mark.parametrize("model_extra", [[], ["hardware.cpu_runner.comm_cpu_us_per_call=300", "model.routing_imbalance=1.2"],
+                                         ["hardware.cpu_runner.comm_wait_us_per_call=1500"]],
                          ids=["per-byte", "per-call-and-routing-imbalance", "transfers-wait-beside-compute"])
 def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(tmp_path, model_extra):
     """[Note: calibration] is the inverse of the cost model: the ideal trace of a plan made with a
@@ -131,7 +131,7 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     truth = tmp_path / "truth.yaml"
     truth.write_text("format: k3sched.profile/1\nlatency_us: {ep: 700.0, collective: 300.0}\n"
                      "link_efficiency: {ep: 0.6, collective: 0.8}\n")
-    source = SMALL + ["hardware.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"] + model_extra
+    source = SMALL + ["hardware.cpu_runner.comm_cpu_ns_per_byte=5", f"schedule.profile={truth}"] + model_extra
     pj = json.loads(planfile.dumps_plan(plan(load_config(TINY, source))))
     table = table_from_runtime(synth.trace_from_plan(pj, rank_of_stage={0: [0, 1]}))
     fit = fit_profile(pj, table)
@@ -139,14 +139,14 @@ def test_calibration_inverts_the_cost_model_and_transfers_to_four_other_configs(
     assert fit.comm_cpu_ns_per_byte >= 5.0 and fit.comm_cpu_fitted == (fit.comm_cpu_ns_per_byte > 5.0)
     # a plan without a measured cost per byte: the regression finds the one the trace was made with
     blind = json.loads(json.dumps(pj))
-    blind["config"]["hardware"]["comm_cpu_ns_per_byte"] = 0.0
+    blind["config"]["hardware"]["cpu_runner"]["comm_cpu_ns_per_byte"] = 0.0
     refit = fit_profile(blind, table)
     assert refit.comm_cpu_fitted and refit.comm_cpu_ns_per_byte == pytest.approx(5.0, rel=0.1)
     # with the wait beside compute the plan's transfer durations carry the compute share of the schedule
     # before the last ([Note: CPU cost of communication]'s two rounds), the fit takes out the share of
     # the trace's (the last one's): the gradient reductions' latency (2 ring steps, 3 ms of wait at
     # most against 0.6 ms of latency) is off by up to 15%, the targets still within 1%
-    waits = any(x.startswith("hardware.comm_wait_us_per_call") for x in model_extra)
+    waits = any(x.startswith("hardware.cpu_runner.comm_wait_us_per_call") for x in model_extra)
     assert fit.latency_us["ep"] == pytest.approx(700.0, rel=0.01 if waits else 1e-3)
     assert fit.latency_us["collective"] == pytest.approx(300.0, rel=0.15 if waits else 1e-3)
     assert fit.link_efficiency == pytest.approx({"ep": 0.6, "collective": 0.8}, rel=0.005 if waits else 1e-3)
@@ -178,7 +178,7 @@ def test_cpu_steal_slope_is_the_runs_own_bounded_by_the_operator_profile_and_the
     for k, overlap in enumerate(overlaps):
         occ[(0, "c", k)] = (0.0, 1000.0 + 20.0 * overlap)      # 20 µs of span per µs of overlap
         occ[(0, "x", k)] = (1000.0 + 20.0 * overlap - overlap, 1000.0 + 20.0 * overlap - overlap + 400.0)
-    _, host_us = model.comm_cpu_load(Kind.DISPATCH_FWD, 1000)  # the EP task's host work, taken out first
+    _, host_us = model.cpu.comm_cpu_load(Kind.DISPATCH_FWD, 1000)  # the EP task's host work, taken out first
     bytes_in = [2000.0 * ov / 400.0 for ov in overlaps]        # 2 x 1000 bytes over 400 µs
     spans = [1000.0 + 20.0 * ov for ov in overlaps]
     free, steal = _cpu_steal(occ, tasks, model)
@@ -245,8 +245,8 @@ def test_calibration_from_one_run_predicts_four_other_configs_on_shaped_links(tm
     ops = write_ops_profile(ops, tmp_path / "ops.yaml", per_expert)
     coll = measure_collectives(2, sizes=[1 << 20, 4 << 20], reps=2, testbed=Testbed(cfg.hardware, 2),
                                work_dir=tmp_path / "coll")
-    source = SMALL + [f"schedule.profile={ops}", f"hardware.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}",
-                      f"hardware.compute_alone_factor={alone:.4g}"]
+    source = SMALL + [f"schedule.profile={ops}", f"hardware.cpu_runner.comm_cpu_ns_per_byte={comm_cpu_ns_per_byte(coll):.4g}",
+                      f"hardware.cpu_runner.compute_alone_factor={alone:.4g}"]
     attempts = []
     for attempt in range(2):  # a new measurement only when the last missed (load outside the test)
         d = tmp_path / f"try{attempt}"
