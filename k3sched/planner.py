@@ -37,7 +37,7 @@ from .cost import CostModel
 from .cpurunner import contended_durations
 from .graph import OffloadChoice, StepGraph, build_step, set_task_id
 from .limits import InfeasibleBudget, check_limits, count_tasks, memory_lower_bound
-from .listsched import lane_orders_of, list_schedule, prepare, Prepared, retime
+from .listsched import lane_orders_of, list_schedule, prepare, retime
 from .pipelines import TABLE
 from .planfile import PlanMetrics
 from .seqslice import seq1f1b
