@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
-from .steplog import StepLog, lane_busy, write_trace
+from runtime.steplog import StepLog, lane_busy, write_trace  # absolute: DeepSpeed runs this file as a script
 
 
 class UserError(Exception):
