@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import CONFIGS, cli_exit, draw_pipeline_shape, one_line
 from k3sched.cli import app
-from k3sched.config import (GiB, ConfigError, HardwareConfig, ModelConfig, ParallelConfig, ScheduleConfig,
+from k3sched.config import (GiB, ConfigError, CpuRunnerConfig, HardwareConfig, ModelConfig, ParallelConfig, ScheduleConfig,
                             config_from_dict, load_config)
 from k3sched.profile import load_profile
 from k3sched.graph import OffloadChoice, build_step
@@ -132,10 +132,13 @@ def test_config_from_dict_refuses_a_non_mapping():
 
 
 # -- 3. and 4. numbers: finite, in range, strictly typed ------------------------------------------
+SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("hardware", HardwareConfig),
+            ("hardware.cpu_runner", CpuRunnerConfig), ("schedule", ScheduleConfig))
+
+
 def _fields(kind: type) -> list[str]:
     out = []
-    for section, cls in (("model", ModelConfig), ("parallel", ParallelConfig), ("hardware", HardwareConfig),
-                         ("schedule", ScheduleConfig)):
+    for section, cls in SECTIONS:
         for name, f in cls.model_fields.items():
             args = typing.get_args(f.annotation) or (f.annotation,)
             if kind in args:
@@ -148,8 +151,7 @@ INT_FIELDS, FLOAT_FIELDS = _fields(int), _fields(float)
 
 def test_every_number_field_states_its_range():
     assert len(INT_FIELDS) >= 20 and len(FLOAT_FIELDS) >= 15
-    for section, cls in (("model", ModelConfig), ("parallel", ParallelConfig), ("hardware", HardwareConfig),
-                         ("schedule", ScheduleConfig)):
+    for section, cls in SECTIONS:
         for name, f in cls.model_fields.items():
             if f"{section}.{name}" in INT_FIELDS + FLOAT_FIELDS:
                 bounds = {type(m).__name__ for m in f.metadata}
